@@ -1,0 +1,61 @@
+// The only data that crosses from the FFI layer into a kernel launcher: raw pointers, sizes and
+// flags. Kernels and launchers include this header and nothing from XLA or nanobind.
+#pragma once
+
+#include <cstdint>
+
+namespace jax_flash {
+
+// Element type of Q, K, V, O and the gradients. lse and delta are float32, or float64 when the
+// inputs are float64.
+enum class DType : int { kF16 = 0, kBF16 = 1, kF32 = 2, kF64 = 3 };
+
+// All tensors are dense and row-major, in the layout of jax.nn.dot_product_attention. Every leading
+// axis (the batch axis and any axes added by vmap) is folded into `batch`.
+//   Q, O, dO, dQ : [batch, seqlen_q, heads_q, head_dim]
+//   K, V, dK, dV : [batch, seqlen_k, heads_kv, head_dim]
+//   lse, delta   : [batch, heads_q, seqlen_q]
+// heads_q is a multiple of heads_kv; query head h reads key/value head h / (heads_q / heads_kv).
+// Causal masking is aligned to the bottom-right corner: query i sees key j iff
+// j <= i + (seqlen_k - seqlen_q). A query row that sees no key gives O = 0, lse = -inf and zero
+// gradients.
+struct FwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  void* lse;  // natural-log log-sum-exp of the scaled scores
+  int64_t batch;
+  int64_t seqlen_q;
+  int64_t seqlen_k;
+  int64_t heads_q;
+  int64_t heads_kv;
+  int64_t head_dim;
+  double softmax_scale;
+  bool causal;
+};
+
+struct BwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* dout;   // dO, the cotangent of O
+  const void* lse;    // as written by the forward pass
+  const void* delta;  // rowsum(dO * O) - dlse, [batch, heads_q, seqlen_q], computed by the caller
+  void* dq;
+  void* dk;
+  void* dv;
+  // fp32 scratch for atomically accumulated dQ, [batch, seqlen_q, heads_q, head_dim]; used by the
+  // CUDA tensor-core path only, nullptr elsewhere. The launcher zeroes it on the stream.
+  float* dq_accum;
+  int64_t batch;
+  int64_t seqlen_q;
+  int64_t seqlen_k;
+  int64_t heads_q;
+  int64_t heads_kv;
+  int64_t head_dim;
+  double softmax_scale;
+  bool causal;
+};
+
+}  // namespace jax_flash

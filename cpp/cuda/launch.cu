@@ -1,0 +1,33 @@
+// Chooses the kernel family by element type: tensor cores for f16/bf16, exact scalar math for
+// f32/f64 (no silent TF32).
+#include "cuda/kernels.h"
+#include "cuda/launch.h"
+
+namespace jax_flash::cuda {
+
+cudaError_t attention_fwd(const FwdParams& params, DType dtype, cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kF16:
+    case DType::kBF16:
+      return fwd_tensor_core(params, dtype, stream);
+    case DType::kF32:
+    case DType::kF64:
+      return fwd_simt(params, dtype, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t attention_bwd(const BwdParams& params, DType dtype, cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kF16:
+    case DType::kBF16:
+      if (params.dq_accum == nullptr) return cudaErrorInvalidValue;
+      return bwd_tensor_core(params, dtype, stream);
+    case DType::kF32:
+    case DType::kF64:
+      return bwd_simt(params, dtype, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace jax_flash::cuda

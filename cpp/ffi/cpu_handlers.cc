@@ -1,0 +1,123 @@
+// XLA FFI handlers for the CPU kernels: decode buffers, build params, run on XLA's thread pool.
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+
+#include "cpu/attention_cpu.h"
+#include "ffi/handlers.h"
+#include "ffi/shapes.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_flash::ffi_glue {
+namespace {
+
+namespace ffi = xla::ffi;
+
+// Shared between the calling thread and the helpers it schedules. Helpers may start after the
+// call has returned (the pool is busy elsewhere), so the state is reference counted and a late
+// helper finds no index left and never touches `task`.
+struct ParallelState {
+  std::atomic<int64_t> next{0};
+  int64_t n_tasks = 0;
+  const std::function<void(int64_t)>* task = nullptr;
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t finished = 0;
+
+  void drain() {
+    int64_t ran = 0;
+    for (int64_t i = next.fetch_add(1); i < n_tasks; i = next.fetch_add(1)) {
+      (*task)(i);
+      ++ran;
+    }
+    if (ran > 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      finished += ran;
+      if (finished == n_tasks) cv.notify_all();
+    }
+  }
+};
+
+// The calling thread works through the tasks too, so the call completes even when no pool thread
+// is free; waiting is only for tasks that helpers have already claimed.
+cpu::ParallelFor make_parallel_for(ffi::ThreadPool& pool) {
+  return [&pool](int64_t n_tasks, const std::function<void(int64_t)>& task) {
+    if (n_tasks <= 0) return;
+    auto state = std::make_shared<ParallelState>();
+    state->n_tasks = n_tasks;
+    state->task = &task;
+    const int64_t helpers = std::min<int64_t>(pool.num_threads(), n_tasks - 1);
+    for (int64_t i = 0; i < helpers; ++i) {
+      pool.Schedule([state] { state->drain(); });
+    }
+    state->drain();
+    std::unique_lock<std::mutex> lock(state->mu);
+    state->cv.wait(lock, [&] { return state->finished == state->n_tasks; });
+  };
+}
+
+ffi::Error fwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                   double softmax_scale, bool causal) {
+  auto dims = attention_dims(q, k, v);
+  if (dims.has_error()) return dims.error();
+  auto dtype = to_dtype(q.element_type());
+  if (dtype.has_error()) return dtype.error();
+  if (auto e = check_fwd_outputs(*dims, *dtype, q.element_type(), *o, *lse); e.failure()) {
+    return e;
+  }
+  const FwdParams params = fwd_params(*dims, q, k, v, *o, *lse, softmax_scale, causal);
+  cpu::attention_fwd(params, *dtype, make_parallel_for(pool));
+  return ffi::Error::Success();
+}
+
+ffi::Error bwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer delta,
+                   ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                   ffi::Result<ffi::AnyBuffer> dv, double softmax_scale, bool causal) {
+  auto dims = attention_dims(q, k, v);
+  if (dims.has_error()) return dims.error();
+  auto dtype = to_dtype(q.element_type());
+  if (dtype.has_error()) return dtype.error();
+  if (auto e = check_bwd_buffers(*dims, *dtype, q.element_type(), dout, lse, delta, *dq, *dk, *dv);
+      e.failure()) {
+    return e;
+  }
+  const BwdParams params =
+      bwd_params(*dims, q, k, v, dout, lse, delta, *dq, *dk, *dv, softmax_scale, causal);
+  cpu::attention_bwd(params, *dtype, make_parallel_for(pool));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_flash::ffi_glue
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashFwdCpu, jax_flash::ffi_glue::fwd_cpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // q   [..., Sq, Hq, D]
+                                  .Arg<xla::ffi::AnyBuffer>()  // k   [..., Sk, Hkv, D]
+                                  .Arg<xla::ffi::AnyBuffer>()  // v   [..., Sk, Hkv, D]
+                                  .Ret<xla::ffi::AnyBuffer>()  // out [..., Sq, Hq, D]
+                                  .Ret<xla::ffi::AnyBuffer>()  // lse [..., Hq, Sq]
+                                  .Attr<double>("softmax_scale")
+                                  .Attr<bool>("causal"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBwdCpu, jax_flash::ffi_glue::bwd_cpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // q     [..., Sq, Hq, D]
+                                  .Arg<xla::ffi::AnyBuffer>()  // k     [..., Sk, Hkv, D]
+                                  .Arg<xla::ffi::AnyBuffer>()  // v     [..., Sk, Hkv, D]
+                                  .Arg<xla::ffi::AnyBuffer>()  // dout  [..., Sq, Hq, D]
+                                  .Arg<xla::ffi::AnyBuffer>()  // lse   [..., Hq, Sq]
+                                  .Arg<xla::ffi::AnyBuffer>()  // delta [..., Hq, Sq]
+                                  .Ret<xla::ffi::AnyBuffer>()  // dq    [..., Sq, Hq, D]
+                                  .Ret<xla::ffi::AnyBuffer>()  // dk    [..., Sk, Hkv, D]
+                                  .Ret<xla::ffi::AnyBuffer>()  // dv    [..., Sk, Hkv, D]
+                                  .Attr<double>("softmax_scale")
+                                  .Attr<bool>("causal"));

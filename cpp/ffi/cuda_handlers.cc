@@ -1,0 +1,94 @@
+// XLA FFI handlers for the CUDA kernels: decode buffers, build params, launch on XLA's stream.
+// They never synchronise or allocate, so XLA may capture them in CUDA graphs.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "cuda/launch.h"
+#include "ffi/handlers.h"
+#include "ffi/shapes.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_flash::ffi_glue {
+namespace {
+
+namespace ffi = xla::ffi;
+
+ffi::Error cuda_status(cudaError_t status, const char* what) {
+  if (status == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jax_flash: ") + what +
+                              " failed: " + cudaGetErrorString(status));
+}
+
+ffi::Error fwd_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                    ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                    double softmax_scale, bool causal) {
+  auto dims = attention_dims(q, k, v);
+  if (dims.has_error()) return dims.error();
+  auto dtype = to_dtype(q.element_type());
+  if (dtype.has_error()) return dtype.error();
+  if (auto e = check_fwd_outputs(*dims, *dtype, q.element_type(), *o, *lse); e.failure()) {
+    return e;
+  }
+  const FwdParams params = fwd_params(*dims, q, k, v, *o, *lse, softmax_scale, causal);
+  return cuda_status(cuda::attention_fwd(params, *dtype, stream), "attention forward launch");
+}
+
+ffi::Error bwd_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                    ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer delta,
+                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                    ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dq_accum,
+                    double softmax_scale, bool causal) {
+  auto dims = attention_dims(q, k, v);
+  if (dims.has_error()) return dims.error();
+  auto dtype = to_dtype(q.element_type());
+  if (dtype.has_error()) return dtype.error();
+  if (auto e = check_bwd_buffers(*dims, *dtype, q.element_type(), dout, lse, delta, *dq, *dk, *dv);
+      e.failure()) {
+    return e;
+  }
+  BwdParams params =
+      bwd_params(*dims, q, k, v, dout, lse, delta, *dq, *dk, *dv, softmax_scale, causal);
+  // The scratch is only needed (and only sized) for the tensor-core path; the f32/f64 path gets
+  // a one-element placeholder.
+  if (*dtype == DType::kF16 || *dtype == DType::kBF16) {
+    const int64_t q_elems = dims->batch * dims->seqlen_q * dims->heads_q * dims->head_dim;
+    if (auto e = expect_buffer(*dq_accum, ffi::DataType::F32, q_elems, "dq_accum"); e.failure()) {
+      return e;
+    }
+    params.dq_accum = static_cast<float*>(dq_accum->untyped_data());
+  }
+  return cuda_status(cuda::attention_bwd(params, *dtype, stream), "attention backward launch");
+}
+
+}  // namespace
+}  // namespace jax_flash::ffi_glue
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashFwdCuda, jax_flash::ffi_glue::fwd_cuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // q   [..., Sq, Hq, D]
+                                  .Arg<xla::ffi::AnyBuffer>()  // k   [..., Sk, Hkv, D]
+                                  .Arg<xla::ffi::AnyBuffer>()  // v   [..., Sk, Hkv, D]
+                                  .Ret<xla::ffi::AnyBuffer>()  // out [..., Sq, Hq, D]
+                                  .Ret<xla::ffi::AnyBuffer>()  // lse [..., Hq, Sq]
+                                  .Attr<double>("softmax_scale")
+                                  .Attr<bool>("causal"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBwdCuda, jax_flash::ffi_glue::bwd_cuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // q        [..., Sq, Hq, D]
+                                  .Arg<xla::ffi::AnyBuffer>()  // k        [..., Sk, Hkv, D]
+                                  .Arg<xla::ffi::AnyBuffer>()  // v        [..., Sk, Hkv, D]
+                                  .Arg<xla::ffi::AnyBuffer>()  // dout     [..., Sq, Hq, D]
+                                  .Arg<xla::ffi::AnyBuffer>()  // lse      [..., Hq, Sq]
+                                  .Arg<xla::ffi::AnyBuffer>()  // delta    [..., Hq, Sq]
+                                  .Ret<xla::ffi::AnyBuffer>()  // dq       [..., Sq, Hq, D]
+                                  .Ret<xla::ffi::AnyBuffer>()  // dk       [..., Sk, Hkv, D]
+                                  .Ret<xla::ffi::AnyBuffer>()  // dv       [..., Sk, Hkv, D]
+                                  .Ret<xla::ffi::AnyBuffer>()  // dq_accum fp32 scratch
+                                  .Attr<double>("softmax_scale")
+                                  .Attr<bool>("causal"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

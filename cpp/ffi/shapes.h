@@ -1,0 +1,169 @@
+// Turns the FFI buffers of one attention call into the framework-free params structs. Python
+// validates everything at trace time; these checks only stop a malformed custom call (for
+// example one built by hand) from reaching a kernel.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/params.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_flash::ffi_glue {
+
+namespace ffi = xla::ffi;
+
+// Sizes of one call; all leading axes of [..., S, H, D] are folded into `batch`.
+struct AttentionDims {
+  int64_t batch = 1;
+  int64_t seqlen_q = 0;
+  int64_t seqlen_k = 0;
+  int64_t heads_q = 0;
+  int64_t heads_kv = 0;
+  int64_t head_dim = 0;
+};
+
+inline ffi::ErrorOr<DType> to_dtype(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F16:
+      return DType::kF16;
+    case ffi::DataType::BF16:
+      return DType::kBF16;
+    case ffi::DataType::F32:
+      return DType::kF32;
+    case ffi::DataType::F64:
+      return DType::kF64;
+    default:
+      return ffi::Unexpected(
+          ffi::Error::InvalidArgument("jax_flash: element type must be f16, bf16, f32 or f64"));
+  }
+}
+
+// lse and delta are float64 for float64 inputs and float32 otherwise.
+inline ffi::DataType stats_type(DType dtype) {
+  return dtype == DType::kF64 ? ffi::DataType::F64 : ffi::DataType::F32;
+}
+
+inline bool same_dims(ffi::AnyBuffer::Dimensions a, ffi::AnyBuffer::Dimensions b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] != b[i]) return false;
+  }
+  return true;
+}
+
+// q [..., Sq, Hq, D], k and v [..., Sk, Hkv, D] with identical leading axes.
+inline ffi::ErrorOr<AttentionDims> attention_dims(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                                  const ffi::AnyBuffer& v) {
+  auto qd = q.dimensions();
+  auto kd = k.dimensions();
+  const size_t rank = qd.size();
+  if (rank < 3 || kd.size() != rank || !same_dims(kd, v.dimensions())) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        "jax_flash: q, k, v must have equal rank >= 3 and k, v equal shapes"));
+  }
+  AttentionDims d;
+  for (size_t i = 0; i + 3 < rank; ++i) {
+    if (qd[i] != kd[i]) {
+      return ffi::Unexpected(
+          ffi::Error::InvalidArgument("jax_flash: q and k leading (batch) axes differ"));
+    }
+    d.batch *= qd[i];
+  }
+  d.seqlen_q = qd[rank - 3];
+  d.heads_q = qd[rank - 2];
+  d.head_dim = qd[rank - 1];
+  d.seqlen_k = kd[rank - 3];
+  d.heads_kv = kd[rank - 2];
+  if (kd[rank - 1] != d.head_dim || d.heads_kv <= 0 || d.heads_q % d.heads_kv != 0) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        "jax_flash: k must share q's head_dim and divide its number of heads"));
+  }
+  if (q.element_type() != k.element_type() || q.element_type() != v.element_type()) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument("jax_flash: q, k, v dtypes differ"));
+  }
+  return d;
+}
+
+// Checks that a buffer has `count` elements of `type`.
+inline ffi::Error expect_buffer(const ffi::AnyBuffer& b, ffi::DataType type, int64_t count,
+                                const char* name) {
+  if (b.element_type() != type || static_cast<int64_t>(b.element_count()) != count) {
+    return ffi::Error::InvalidArgument(std::string("jax_flash: unexpected type or size of ") +
+                                       name);
+  }
+  return ffi::Error::Success();
+}
+
+inline FwdParams fwd_params(const AttentionDims& d, const ffi::AnyBuffer& q,
+                            const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, ffi::AnyBuffer o,
+                            ffi::AnyBuffer lse, double softmax_scale, bool causal) {
+  FwdParams p;
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.o = o.untyped_data();
+  p.lse = lse.untyped_data();
+  p.batch = d.batch;
+  p.seqlen_q = d.seqlen_q;
+  p.seqlen_k = d.seqlen_k;
+  p.heads_q = d.heads_q;
+  p.heads_kv = d.heads_kv;
+  p.head_dim = d.head_dim;
+  p.softmax_scale = softmax_scale;
+  p.causal = causal;
+  return p;
+}
+
+// Validates the outputs of a forward call against its inputs.
+inline ffi::Error check_fwd_outputs(const AttentionDims& d, DType dtype, ffi::DataType elem,
+                                    const ffi::AnyBuffer& o, const ffi::AnyBuffer& lse) {
+  const int64_t rows = d.batch * d.heads_q * d.seqlen_q;
+  if (auto e = expect_buffer(o, elem, rows * d.head_dim, "out"); e.failure()) return e;
+  return expect_buffer(lse, stats_type(dtype), rows, "lse");
+}
+
+// Validates dout, lse, delta and the gradient outputs of a backward call.
+inline ffi::Error check_bwd_buffers(const AttentionDims& d, DType dtype, ffi::DataType elem,
+                                    const ffi::AnyBuffer& dout, const ffi::AnyBuffer& lse,
+                                    const ffi::AnyBuffer& delta, const ffi::AnyBuffer& dq,
+                                    const ffi::AnyBuffer& dk, const ffi::AnyBuffer& dv) {
+  const int64_t q_elems = d.batch * d.seqlen_q * d.heads_q * d.head_dim;
+  const int64_t kv_elems = d.batch * d.seqlen_k * d.heads_kv * d.head_dim;
+  const int64_t rows = d.batch * d.heads_q * d.seqlen_q;
+  if (auto e = expect_buffer(dout, elem, q_elems, "dout"); e.failure()) return e;
+  if (auto e = expect_buffer(lse, stats_type(dtype), rows, "lse"); e.failure()) return e;
+  if (auto e = expect_buffer(delta, stats_type(dtype), rows, "delta"); e.failure()) return e;
+  if (auto e = expect_buffer(dq, elem, q_elems, "dq"); e.failure()) return e;
+  if (auto e = expect_buffer(dk, elem, kv_elems, "dk"); e.failure()) return e;
+  return expect_buffer(dv, elem, kv_elems, "dv");
+}
+
+inline BwdParams bwd_params(const AttentionDims& d, const ffi::AnyBuffer& q,
+                            const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                            const ffi::AnyBuffer& dout, const ffi::AnyBuffer& lse,
+                            const ffi::AnyBuffer& delta, ffi::AnyBuffer dq, ffi::AnyBuffer dk,
+                            ffi::AnyBuffer dv, double softmax_scale, bool causal) {
+  BwdParams p;
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.dout = dout.untyped_data();
+  p.lse = lse.untyped_data();
+  p.delta = delta.untyped_data();
+  p.dq = dq.untyped_data();
+  p.dk = dk.untyped_data();
+  p.dv = dv.untyped_data();
+  p.dq_accum = nullptr;
+  p.batch = d.batch;
+  p.seqlen_q = d.seqlen_q;
+  p.seqlen_k = d.seqlen_k;
+  p.heads_q = d.heads_q;
+  p.heads_kv = d.heads_kv;
+  p.head_dim = d.head_dim;
+  p.softmax_scale = softmax_scale;
+  p.causal = causal;
+  return p;
+}
+
+}  // namespace jax_flash::ffi_glue

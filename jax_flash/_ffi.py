@@ -1,0 +1,28 @@
+"""Loads the native extension and registers its XLA FFI targets, once, at import."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jax_flash import _jax_flash
+
+FWD_CPU = "jax_flash_fwd_cpu"
+BWD_CPU = "jax_flash_bwd_cpu"
+FWD_CUDA = "jax_flash_fwd_cuda"
+BWD_CUDA = "jax_flash_bwd_cuda"
+
+HAS_CUDA: bool = bool(_jax_flash.has_cuda)
+
+for _name, (_capsule, _platform) in _jax_flash.registrations().items():
+    jax.ffi.register_ffi_target(_name, _capsule, platform=_platform)
+
+
+@functools.cache
+def cuda_devices_present() -> bool:
+    """Whether this JAX process can see a CUDA GPU."""
+    try:
+        return len(jax.devices("cuda")) > 0
+    except RuntimeError:
+        return False
