@@ -1,0 +1,296 @@
+// Exact scalar FlashAttention-2 forward pass for float32 and float64 (Dao 2023, Algorithm 1).
+// A block owns kM query rows of one (batch, query head): it keeps Q in shared memory, streams
+// K and V tiles of kN keys through one shared buffer, keeps the online-softmax state (running
+// max m, running sum l) and the O accumulator in registers, and writes O and lse once.
+#include <cstdint>
+
+#include "cuda/kernels.h"
+#include "cuda/simt_common.cuh"
+
+namespace jax_flash::cuda {
+namespace simt {
+namespace {
+
+// Forward block tile per (dtype, head-dim capacity). kRowLanes lanes (half a warp) share each
+// query row, so the softmax row reductions are four shuffles and never leave the warp.
+template <typename T, int kCap>
+struct FwdTile;
+template <>
+struct FwdTile<float, 64> {
+  static constexpr int kM = 64, kN = 64, kThreads = 128;
+};
+template <>
+struct FwdTile<float, 128> {
+  static constexpr int kM = 64, kN = 64, kThreads = 256;
+};
+template <>
+struct FwdTile<float, 256> {
+  static constexpr int kM = 32, kN = 32, kThreads = 128;
+};
+template <>
+struct FwdTile<double, 64> {
+  static constexpr int kM = 64, kN = 32, kThreads = 256;
+};
+template <>
+struct FwdTile<double, 128> {
+  static constexpr int kM = 32, kN = 32, kThreads = 128;
+};
+template <>
+struct FwdTile<double, 256> {
+  static constexpr int kM = 16, kN = 16, kThreads = 128;
+};
+
+template <typename T, int kCap>
+struct FwdConfig {
+  static constexpr int kM = FwdTile<T, kCap>::kM;
+  static constexpr int kN = FwdTile<T, kCap>::kN;
+  static constexpr int kThreads = FwdTile<T, kCap>::kThreads;
+  static constexpr int kVecN = kVec<T>;
+  static constexpr int kRowLanes = 16;
+  static constexpr int kRowGroups = kThreads / kRowLanes;
+  static constexpr int kRowsPerThread = kM / kRowGroups;
+  static constexpr int kKeysPerThread = kN / kRowLanes;
+  // A thread's head-dim columns of O: kDimChunks vectors, kRowLanes vectors apart.
+  static constexpr int kChunkSpan = kRowLanes * kVecN;
+  static constexpr int kDimChunks = kCap / kChunkSpan;
+  static constexpr int kDimsPerThread = kDimChunks * kVecN;
+  static constexpr int kStride = kCap + kVecN;  // Q / K / V rows
+  static constexpr int kPStride = kN + kVecN;   // P rows
+  static constexpr size_t kSmemBytes =
+      sizeof(T) * (static_cast<size_t>(kM) * kStride + static_cast<size_t>(kN) * kStride +
+                   static_cast<size_t>(kM) * kPStride);
+
+  static_assert(kThreads % 32 == 0 && kRowLanes <= 32 && 32 % kRowLanes == 0);
+  static_assert(kM % kRowGroups == 0 && kN % kRowLanes == 0 && kN % kVecN == 0);
+  static_assert(kCap % kChunkSpan == 0 && kDimChunks >= 1);
+  static_assert(kSmemBytes <= 99 * 1024, "must fit the opt-in shared memory of every sm_8x");
+};
+
+// Sum or max over the kRowLanes lanes that share a row; xor offsets below kRowLanes stay inside
+// the aligned lane group.
+template <int kLanes, typename T>
+__device__ __forceinline__ T row_max(T v) {
+#pragma unroll
+  for (int off = kLanes / 2; off > 0; off /= 2) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+template <int kLanes, typename T>
+__device__ __forceinline__ T row_sum(T v) {
+#pragma unroll
+  for (int off = kLanes / 2; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+template <typename T, int kCap>
+__global__ void __launch_bounds__(FwdConfig<T, kCap>::kThreads)
+    fwd_kernel(const FwdParams p, int64_t num_m_tiles) {
+  using C = FwdConfig<T, kCap>;
+  constexpr int kTM = C::kRowsPerThread;
+  constexpr int kTN = C::kKeysPerThread;
+  constexpr int kV = C::kVecN;
+  constexpr int kL = C::kRowLanes;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* q_s = reinterpret_cast<T*>(smem_raw);
+  T* kv_s = q_s + C::kM * C::kStride;
+  T* p_s = kv_s + C::kN * C::kStride;
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid % kL;
+  const int row0 = (tid / kL) * kTM;
+
+  // Heaviest causal tiles (the last query rows) are scheduled first.
+  const int64_t tile = blockIdx.x;
+  const int64_t m_tile = num_m_tiles - 1 - tile % num_m_tiles;
+  const int64_t h = (tile / num_m_tiles) % p.heads_q;
+  const int64_t b = (tile / num_m_tiles) / p.heads_q;
+  const int64_t h_kv = h / (p.heads_q / p.heads_kv);
+  const int64_t m0 = m_tile * C::kM;
+  const int m_rows = static_cast<int>(p.seqlen_q - m0 < C::kM ? p.seqlen_q - m0 : C::kM);
+  const int d = static_cast<int>(p.head_dim);
+  const T scale = static_cast<T>(p.softmax_scale);
+
+  const int64_t q_row_stride = p.heads_q * p.head_dim;
+  const int64_t kv_row_stride = p.heads_kv * p.head_dim;
+  const T* q = static_cast<const T*>(p.q) + ((b * p.seqlen_q + m0) * p.heads_q + h) * p.head_dim;
+  const int64_t kv_offset = (b * p.seqlen_k * p.heads_kv + h_kv) * p.head_dim;
+  const T* k = static_cast<const T*>(p.k) + kv_offset;
+  const T* v = static_cast<const T*>(p.v) + kv_offset;
+
+  load_tile_async<T, C::kThreads, C::kM, kCap, C::kStride>(q_s, q, q_row_stride, m_rows, d);
+
+  T o[kTM][C::kDimsPerThread];
+  T m_run[kTM];
+  T l_run[kTM];  // this lane's share of the row sum; the lanes of a row are added at the end
+#pragma unroll
+  for (int i = 0; i < kTM; ++i) {
+    m_run[i] = neg_inf<T>();
+    l_run[i] = T(0);
+#pragma unroll
+    for (int x = 0; x < C::kDimsPerThread; ++x) o[i][x] = T(0);
+  }
+
+  const int k_vecs = (d + kV - 1) / kV;
+  const int64_t n_end = visible_key_end(m0 + m_rows, p.seqlen_q, p.seqlen_k, p.causal);
+  for (int64_t n0 = 0; n0 < n_end; n0 += C::kN) {
+    const int n_rows = static_cast<int>(n_end - n0 < C::kN ? n_end - n0 : C::kN);
+    load_tile_async<T, C::kThreads, C::kN, kCap, C::kStride>(kv_s, k + n0 * kv_row_stride,
+                                                             kv_row_stride, n_rows, d);
+    cp_async_wait_all();
+    __syncthreads();
+
+    // S = Q K^T for this thread's kTM rows and kTN keys (lane, lane + kL, ...).
+    T s[kTM][kTN];
+#pragma unroll
+    for (int i = 0; i < kTM; ++i) {
+#pragma unroll
+      for (int j = 0; j < kTN; ++j) s[i][j] = T(0);
+    }
+#pragma unroll 1
+    for (int kv = 0; kv < k_vecs; ++kv) {
+      Vec<T> qa[kTM];
+      Vec<T> kb[kTN];
+#pragma unroll
+      for (int i = 0; i < kTM; ++i) qa[i] = load_vec(q_s + (row0 + i) * C::kStride + kv * kV);
+#pragma unroll
+      for (int j = 0; j < kTN; ++j) kb[j] = load_vec(kv_s + (lane + j * kL) * C::kStride + kv * kV);
+#pragma unroll
+      for (int i = 0; i < kTM; ++i) {
+#pragma unroll
+        for (int j = 0; j < kTN; ++j) {
+#pragma unroll
+          for (int e = 0; e < kV; ++e) s[i][j] = fma(qa[i].v[e], kb[j].v[e], s[i][j]);
+        }
+      }
+    }
+
+    // Online softmax. A row that has seen no visible key keeps m = -inf; it is rescaled against
+    // 0 instead, so exp(-inf - -inf) never produces NaN, and masked entries get P = 0 without
+    // an exp. The exponent is one fma of the raw dot product, so scale * S is never rounded on
+    // its own: with large logits that rounding would dominate the error of P.
+    const int diag = causal_diag(m0, n0, p.seqlen_q, p.seqlen_k, p.causal);
+#pragma unroll
+    for (int i = 0; i < kTM; ++i) {
+      const int r = row0 + i;
+      T tile_max = neg_inf<T>();
+#pragma unroll
+      for (int j = 0; j < kTN; ++j) {
+        const int c = lane + j * kL;
+        if (c < n_rows && c <= r + diag) tile_max = fmax(tile_max, s[i][j] * scale);
+      }
+      const T m_new = fmax(m_run[i], row_max<kL>(tile_max));
+      const T m_ref = m_new == neg_inf<T>() ? T(0) : m_new;
+      const T correction = exp_full(m_run[i] - m_ref);
+      m_run[i] = m_new;
+      l_run[i] *= correction;
+#pragma unroll
+      for (int x = 0; x < C::kDimsPerThread; ++x) o[i][x] *= correction;
+#pragma unroll
+      for (int j = 0; j < kTN; ++j) {
+        const int c = lane + j * kL;
+        const bool visible = c < n_rows && c <= r + diag;
+        const T pij = visible ? exp_full(fma(s[i][j], scale, -m_ref)) : T(0);
+        l_run[i] += pij;
+        p_s[r * C::kPStride + c] = pij;
+      }
+    }
+    // K is no longer read and every P is written: V may replace K in the shared buffer.
+    __syncthreads();
+    load_tile_async<T, C::kThreads, C::kN, kCap, C::kStride>(kv_s, v + n0 * kv_row_stride,
+                                                             kv_row_stride, n_rows, d);
+    cp_async_wait_all();
+    __syncthreads();
+
+    // O += P V. Keys past n_rows have P = 0 and zero-filled V rows, so rounding the trip count
+    // up to a whole vector adds exact zeros.
+    const int n_lim = (n_rows + kV - 1) / kV * kV;
+#pragma unroll 1
+    for (int n = 0; n < n_lim; n += kV) {
+      Vec<T> pa[kTM];
+#pragma unroll
+      for (int i = 0; i < kTM; ++i) pa[i] = load_vec(p_s + (row0 + i) * C::kPStride + n);
+#pragma unroll
+      for (int e = 0; e < kV; ++e) {
+        const T* v_row = kv_s + (n + e) * C::kStride + lane * kV;
+#pragma unroll
+        for (int ch = 0; ch < C::kDimChunks; ++ch) {
+          if (ch * C::kChunkSpan < d) {
+            const Vec<T> vb = load_vec(v_row + ch * C::kChunkSpan);
+#pragma unroll
+            for (int i = 0; i < kTM; ++i) {
+#pragma unroll
+              for (int f = 0; f < kV; ++f) {
+                o[i][ch * kV + f] = fma(pa[i].v[e], vb.v[f], o[i][ch * kV + f]);
+              }
+            }
+          }
+        }
+      }
+    }
+    // The next iteration overwrites the shared V and P.
+    __syncthreads();
+  }
+
+  // Without any key tile the Q copy is still in flight; it must land before the block exits.
+  cp_async_wait_all();
+  T* o_out = static_cast<T*>(p.o);
+  T* lse_out = static_cast<T*>(p.lse);
+#pragma unroll
+  for (int i = 0; i < kTM; ++i) l_run[i] = row_sum<kL>(l_run[i]);
+#pragma unroll
+  for (int i = 0; i < kTM; ++i) {
+    const int r = row0 + i;
+    if (r >= m_rows) continue;
+    // A fully masked row has l == 0 (O = 0, lse = -inf); any other l is > 0 or NaN and
+    // propagates NaN inputs unchanged.
+    const T l = l_run[i];
+    const bool masked = l == T(0);
+    const T inv_l = masked ? T(0) : T(1) / l;
+    T* o_row = o_out + ((b * p.seqlen_q + m0 + r) * p.heads_q + h) * p.head_dim;
+#pragma unroll
+    for (int ch = 0; ch < C::kDimChunks; ++ch) {
+#pragma unroll
+      for (int f = 0; f < kV; ++f) {
+        const int col = ch * C::kChunkSpan + lane * kV + f;
+        if (col < d) o_row[col] = o[i][ch * kV + f] * inv_l;
+      }
+    }
+    if (lane == 0) {
+      lse_out[(b * p.heads_q + h) * p.seqlen_q + m0 + r] =
+          masked ? neg_inf<T>() : m_run[i] + log_full(l);
+    }
+  }
+}
+
+template <typename T, int kCap>
+cudaError_t launch_fwd(const FwdParams& params, cudaStream_t stream) {
+  using C = FwdConfig<T, kCap>;
+  const int64_t num_m_tiles = (params.seqlen_q + C::kM - 1) / C::kM;
+  const int64_t blocks = num_m_tiles * params.heads_q * params.batch;
+  return launch(fwd_kernel<T, kCap>, blocks, C::kThreads, C::kSmemBytes, stream, params,
+                num_m_tiles);
+}
+
+}  // namespace
+}  // namespace simt
+
+cudaError_t fwd_simt(const FwdParams& params, DType dtype, cudaStream_t stream) {
+  if (!simt::valid_shape(params.batch, params.seqlen_q, params.seqlen_k, params.heads_q,
+                         params.heads_kv, params.head_dim)) {
+    return cudaErrorInvalidValue;
+  }
+  switch (dtype) {
+    case DType::kF32:
+      return simt::dispatch_head_dim(params.head_dim, [&](auto cap) {
+        return simt::launch_fwd<float, decltype(cap)::value>(params, stream);
+      });
+    case DType::kF64:
+      return simt::dispatch_head_dim(params.head_dim, [&](auto cap) {
+        return simt::launch_fwd<double, decltype(cap)::value>(params, stream);
+      });
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace jax_flash::cuda
