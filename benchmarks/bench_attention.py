@@ -1,0 +1,815 @@
+"""Benchmark jax_flash.attention beside cuDNN and XLA, in one process, on the same inputs.
+
+    python benchmarks/bench_attention.py            # the full grid on a GPU; a small grid on CPU
+    python benchmarks/bench_attention.py --quick    # a few cells, for a smoke run
+    python benchmarks/bench_attention.py --dry-run  # list the cells and exit
+
+On a GPU it measures the standard grid of the FlashAttention papers (16k tokens per cell,
+hidden 2048, head_dim 64/128/256, seqlen 512..16k, causal and not, forward and
+forward+backward, bf16 and fp16) against jax.nn.dot_product_attention with
+implementation="cudnn" and "xla", plus the compiled temp memory of one long sequence. Without a
+GPU it runs a small fp32 grid against XLA on the CPU (about 2-3 minutes on 2 cores).
+
+Writes <out>/attention_<gpu|cpu>[_quick].md (tables), .csv (one row per implementation and
+cell), _memory.csv and .png (rate vs seqlen), and prints one line per measured cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import importlib.metadata
+import inspect
+import itertools
+import os
+import platform
+import shlex
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from _report import (
+    CHECK_TOLERANCE,
+    FLOP_FORMULA,
+    LABELS,
+    Cell,
+    CsvSink,
+    MemoryResult,
+    Result,
+    Unit,
+    markdown_report,
+    memory_lines,
+    plot,
+    progress_line,
+    seqlen_label,
+    summary_lines,
+    write_memory_csv,
+)
+from _timing import (
+    check_fits,
+    compile_jit,
+    format_bytes,
+    median,
+    short_error,
+    temp_bytes,
+    time_compiled,
+)
+
+import jax_flash
+
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
+DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32"}
+IMPL_NAMES = ("jax_flash", "cudnn", "xla")
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, bool], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """Which cells to measure, how, and the long-sequence memory table."""
+
+    name: str  # "gpu" or "cpu"
+    dtypes: tuple[str, ...]
+    head_dims: tuple[int, ...]
+    seqlens: tuple[int, ...]
+    backward_seqlens: tuple[int, ...] | None  # None: forward+backward at every seqlen
+    tokens: int | None  # fixed tokens per cell (batch = tokens / seqlen); None: fixed batch
+    hidden: int | None  # fixed hidden size (heads = hidden / head_dim); None: fixed heads
+    batch: int
+    heads: int
+    impls: tuple[str, ...]
+    baseline: str | None  # ratios are to this one; None when it is not measured
+    repeats: int
+    iters: int | None  # None: chosen per cell from a warm-up call
+    memory_seqlens: tuple[int, ...]
+    memory_shape: tuple[int, int, int]  # batch, heads, head_dim; causal
+    memory_dtype: str
+    memory_columns: tuple[tuple[str, bool], ...]  # (impl, with backward)
+
+    def batch_heads(self, seqlen: int, head_dim: int) -> tuple[int, int]:
+        batch = self.tokens // seqlen if self.tokens else self.batch
+        heads = self.hidden // head_dim if self.hidden else self.heads
+        return batch, heads
+
+    def cells(self, backward: bool) -> list[Cell]:
+        """Ordered so that consecutive cells share one input shape (inputs are drawn once)."""
+        cells = []
+        for dtype, head_dim, seqlen in itertools.product(self.dtypes, self.head_dims, self.seqlens):
+            batch, heads = self.batch_heads(seqlen, head_dim)
+            with_bwd = backward and (
+                self.backward_seqlens is None or seqlen in self.backward_seqlens
+            )
+            for bwd, causal in itertools.product(
+                (False, True) if with_bwd else (False,), (False, True)
+            ):
+                cells.append(Cell(dtype, head_dim, seqlen, causal, bwd, batch, heads))
+        return cells
+
+
+# The FlashAttention-2/3 papers' grid: 16k tokens and hidden 2048 keep every tensor at 64 MB in
+# 16-bit (larger than the H200's 60 MB L2), so no cell is flattered by cache hits.
+GPU_GRID = Grid(
+    name="gpu",
+    dtypes=("bf16", "fp16"),
+    head_dims=(64, 128, 256),
+    seqlens=(512, 1024, 2048, 4096, 8192, 16384),
+    backward_seqlens=None,
+    tokens=16384,
+    hidden=2048,
+    batch=0,
+    heads=0,
+    impls=("jax_flash", "cudnn", "xla"),
+    baseline="cudnn",
+    repeats=5,
+    iters=20,
+    memory_seqlens=(8192, 32768, 131072),
+    memory_shape=(1, 16, 128),
+    memory_dtype="bf16",
+    # XLA's backward at these lengths needs hundreds of GB; its forward already makes the point.
+    memory_columns=(
+        ("jax_flash", False),
+        ("cudnn", False),
+        ("xla", False),
+        ("jax_flash", True),
+        ("cudnn", True),
+    ),
+)
+GPU_QUICK = dataclasses.replace(
+    GPU_GRID,
+    dtypes=("bf16",),
+    head_dims=(128,),
+    seqlens=(1024, 4096),
+    repeats=3,
+    iters=10,
+    memory_seqlens=(8192, 32768),
+)
+# Small enough for a 2-core laptop-class CPU in a few minutes; the backward skips 4k, where one
+# XLA call alone takes seconds.
+CPU_GRID = Grid(
+    name="cpu",
+    dtypes=("fp32",),
+    head_dims=(64,),
+    seqlens=(1024, 2048, 4096),
+    backward_seqlens=(1024, 2048),
+    tokens=None,
+    hidden=None,
+    batch=1,
+    heads=8,
+    impls=("jax_flash", "xla"),
+    baseline="xla",
+    repeats=3,
+    iters=None,
+    memory_seqlens=(8192, 16384, 32768),
+    memory_shape=(1, 8, 64),
+    memory_dtype="fp32",
+    memory_columns=(("jax_flash", False), ("xla", False), ("jax_flash", True), ("xla", True)),
+)
+CPU_QUICK = dataclasses.replace(
+    CPU_GRID, seqlens=(1024, 2048), backward_seqlens=(1024,), repeats=2, memory_seqlens=(8192,)
+)
+
+
+def _flash(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
+    return jax_flash.attention(q, k, v, causal=causal)
+
+
+def _jax_nn(implementation: str) -> AttentionFn:
+    params = inspect.signature(jax.nn.dot_product_attention).parameters
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
+        # Checked per call rather than at import so that one missing keyword in some jax
+        # version turns into an error cell, not a crash of the whole run.
+        if "implementation" not in params or "is_causal" not in params:
+            raise NotImplementedError(
+                f"jax {jax.__version__}: dot_product_attention lacks implementation=/is_causal="
+            )
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation=implementation
+        )
+
+    return attend
+
+
+IMPLS: dict[str, AttentionFn] = {
+    "jax_flash": _flash,
+    "cudnn": _jax_nn("cudnn"),
+    # Explicit: implementation=None would pick cuDNN on a GPU.
+    "xla": _jax_nn("xla"),
+}
+
+
+def benchmark_fn(impl: str, causal: bool, backward: bool) -> Callable[..., Any]:
+    """The function that is jitted and timed: forward, or forward + backward for a given dout."""
+    attend = IMPLS[impl]
+
+    def forward(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return attend(q, k, v, causal)
+
+    if not backward:
+        return forward
+
+    def forward_backward(q: jax.Array, k: jax.Array, v: jax.Array, dout: jax.Array) -> Any:
+        out, pullback = jax.vjp(forward, q, k, v)
+        # out is returned as well: the plain softmax backward never reads O, so without it XLA
+        # could drop the P·V product and be credited with forward FLOPs it did not do.
+        return (out, *pullback(dout))
+
+    return forward_backward
+
+
+def make_inputs(cell: Cell, with_dout: bool) -> list[jax.Array]:
+    """q, k, v (and dout) drawn from a normal distribution: zeros or constants would let the
+    softmax and the hardware take shortcuts real data never allows."""
+    keys = jax.random.split(jax.random.key(cell.seqlen + 7 * cell.head_dim), 4)
+    count = 4 if with_dout else 3
+    arrays = [jax.random.normal(key, cell.shape, DTYPES[cell.dtype]) for key in keys[:count]]
+    return jax.block_until_ready(arrays)
+
+
+def measure(
+    cell: Cell, impl: str, inputs: Sequence[jax.Array], grid: Grid, device: jax.Device
+) -> tuple[Result, list[jax.Array]]:
+    """Times one implementation on one cell; also returns one call's outputs for the check."""
+    fn = benchmark_fn(impl, cell.causal, cell.backward)
+    args = list(inputs[:4] if cell.backward else inputs[:3])
+    try:
+        compiled = compile_jit(fn, args)
+        check_fits(compiled, device)
+        per_call, iters = time_compiled(compiled, args, iters=grid.iters, repeats=grid.repeats)
+        outputs = jax.tree_util.tree_leaves(compiled(*args))
+    except Exception as exc:  # any failure becomes this cell's 'error: ...'; the run goes on
+        return Result(cell, impl, None, short_error(exc), 0, grid.repeats), []
+    result = Result(cell, impl, median(per_call), None, iters, grid.repeats, tuple(per_call))
+    return result, outputs
+
+
+@jax.jit
+def _relative_l2(x: jax.Array, ref: jax.Array) -> jax.Array:
+    x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
+    return jnp.linalg.norm(x - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30)
+
+
+def cross_check(
+    measured: dict[str, Result], outputs: dict[str, list[jax.Array]], order: Sequence[str]
+) -> dict[str, Result]:
+    """Adds each implementation's relative L2 error against the first of `order` that ran.
+
+    A kernel that skips work (or returns garbage) can post any speed; comparing its outputs
+    (out, and dq, dk, dv for forward+backward) with another implementation's exposes that.
+    """
+    ref = next((impl for impl in order if outputs.get(impl)), None)
+    if ref is None:
+        return measured
+    checked = dict(measured)
+    for impl, leaves in outputs.items():
+        if impl == ref or not leaves:
+            continue
+        errors = [float(_relative_l2(x, r)) for x, r in zip(leaves, outputs[ref], strict=True)]
+        # max() would skip a NaN; any NaN must surface as NaN.
+        worst = next((e for e in errors if e != e), max(errors))
+        checked[impl] = dataclasses.replace(measured[impl], rel_err=worst, checked_against=ref)
+    return checked
+
+
+def _release(arrays: Sequence[jax.Array]) -> None:
+    # Free device memory now rather than whenever Python collects: the next shape may need it.
+    for array in arrays:
+        array.delete()
+    gc.collect()
+
+
+def run_grid(
+    grid: Grid,
+    cells: Sequence[Cell],
+    device: jax.Device,
+    unit: Unit,
+    results: list[Result],
+    sink: CsvSink,
+) -> None:
+    """Measures every cell with every implementation; appends to results as it goes."""
+    index = 0
+    for _, group in itertools.groupby(cells, key=lambda c: (c.dtype, c.shape)):
+        group = list(group)
+        inputs: list[jax.Array] = []
+        reason = ""
+        try:
+            inputs = make_inputs(group[0], with_dout=any(c.backward for c in group))
+        except Exception as exc:  # e.g. out of memory for the inputs themselves
+            reason = short_error(exc)
+        try:
+            for cell in group:
+                index += 1
+                start = time.perf_counter()
+                if reason:
+                    measured = {
+                        i: Result(cell, i, None, reason, 0, grid.repeats) for i in grid.impls
+                    }
+                else:
+                    measured, outputs = {}, {}
+                    for impl in grid.impls:
+                        measured[impl], outputs[impl] = measure(cell, impl, inputs, grid, device)
+                    # jax_flash is what is under test, so it is the reference only as a last resort.
+                    others = [i for i in grid.impls if i not in ("jax_flash", grid.baseline)]
+                    order = [i for i in (grid.baseline, *others, "jax_flash") if i]
+                    measured = cross_check(measured, outputs, order)
+                    _release([x for leaves in outputs.values() for x in leaves])
+                results.extend(measured.values())
+                sink.add(measured)
+                elapsed = time.perf_counter() - start
+                line = progress_line(
+                    index, len(cells), cell, measured, grid.baseline, unit, elapsed
+                )
+                print(line, flush=True)
+        finally:
+            _release(inputs)
+
+
+def run_memory(grid: Grid, device: jax.Device, results: list[MemoryResult]) -> None:
+    """Compiled temp bytes at long sequences. Shapes only: nothing is allocated or run, so XLA's
+    quadratic score matrix can be reported at lengths where it would never fit."""
+    batch, heads, head_dim = grid.memory_shape
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    for seqlen in grid.memory_seqlens:
+        shape = (batch, seqlen, heads, head_dim)
+        spec = jax.ShapeDtypeStruct(shape, DTYPES[grid.memory_dtype], sharding=sharding)
+        row = []
+        for impl, backward in grid.memory_columns:
+            fn = benchmark_fn(impl, causal=True, backward=backward)
+            try:
+                temp = temp_bytes(compile_jit(fn, [spec] * (4 if backward else 3)))
+                entry = MemoryResult(seqlen, impl, backward, temp, None)
+            except Exception as exc:  # a compile-time rejection is a result, not a crash
+                entry = MemoryResult(seqlen, impl, backward, None, short_error(exc))
+            results.append(entry)
+            value = f"error: {entry.error[:40]}" if entry.error else format_bytes(entry.temp_bytes)
+            row.append(f"{LABELS[impl]} {'fwd+bwd' if backward else 'fwd'} {value}")
+        print(f"[memory] S={seqlen_label(seqlen):<4} " + " | ".join(row), flush=True)
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cudnn_version() -> str | None:
+    # jax has no public query for the cuDNN it loaded; this private module is the one its own
+    # version checks use, so failure here only drops a line from the report.
+    try:
+        from jax._src.lib import cuda_versions
+
+        number = int(cuda_versions.cudnn_get_version())
+    except Exception:
+        return None
+    if number >= 90000:  # cuDNN 9 encodes major*10000 + minor*100 + patch
+        return f"{number // 10000}.{number // 100 % 100}.{number % 100}"
+    return f"{number // 1000}.{number // 100 % 10}.{number % 100}"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _device_label(device: jax.Device, visible: int) -> str:
+    if device.platform == "cpu":
+        # jax calls every CPU "cpu"; the model and core count are what the numbers depend on.
+        return f"CPU: {_cpu_model()}, {os.cpu_count()} logical CPUs"
+    return f"{device.device_kind} ({device.platform} device {device.id}, {visible} visible)"
+
+
+def environment(device: jax.Device) -> dict[str, str]:
+    """What a reader needs to reproduce or compare the numbers."""
+    command = getattr(sys, "orig_argv", [sys.executable, *sys.argv])
+    devices = [d for d in jax.devices() if d.platform == device.platform] or [device]
+    env = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": shlex.join(command),
+        "device": _device_label(device, len(devices)),
+        "host": f"{_cpu_model()}, {os.cpu_count()} logical CPUs",
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": _package_version("jaxlib") or "unknown",
+        "jax_flash": getattr(jax_flash, "__version__", "unknown"),
+    }
+    for plugin in ("jax-cuda13-plugin", "jax-cuda12-plugin"):
+        version = _package_version(plugin)
+        if version:
+            env[plugin] = version
+    if device.platform != "cpu":
+        env["cudnn"] = _cudnn_version() or "unknown"
+    flags = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(("XLA_", "JAX_"))]
+    if flags:
+        env["environment variables"] = " ".join(flags)
+    return env
+
+
+def method_lines(grid: Grid) -> list[str]:
+    iters = "auto-chosen (>= 0.3 s per repeat, at most 20)" if grid.iters is None else grid.iters
+    lines = [
+        "Implementations: jax_flash.attention; cuDNN = jax.nn.dot_product_attention(..., "
+        'implementation="cudnn"); XLA = the same with implementation="xla". Same process, '
+        "same inputs, layout [B, S, H, D].",
+        "Timing: each function is jitted and compiled once per cell, warmed up with 2 calls, "
+        f"then timed as {grid.repeats} repeats of {iters} back-to-back calls "
+        "(block_until_ready on the whole output tree after the last call); the median time per "
+        "call is reported.",
+        "forward+backward: one jitted function returning out and jax.vjp's (dq, dk, dv) for a "
+        "fixed random dout.",
+    ]
+    if grid.tokens and grid.hidden:
+        tensor_mib = grid.tokens * grid.hidden * 2 / 2**20
+        cache = ", more than a GPU's L2 (60 MB on an H200)" if tensor_mib >= 60 else ""
+        lines.append(
+            f"Inputs: random normal; {grid.tokens} tokens per cell (B = {grid.tokens} / S), "
+            f"hidden {grid.hidden} (H = {grid.hidden} / D), so each tensor is {tensor_mib:.3g} MiB "
+            f"in 16-bit{cache}."
+        )
+    else:
+        lines.append(f"Inputs: random normal, B = {grid.batch}, H = {grid.heads}.")
+    tolerances = ", ".join(f"{k} {v:g}" for k, v in CHECK_TOLERANCE.items())
+    reference = (
+        f"{LABELS[grid.baseline]}'s (or the next that ran)" if grid.baseline else "another's"
+    )
+    lines.append(
+        "Check: one call's outputs (out; with the backward also dq, dk, dv) of each "
+        f"implementation are compared with {reference}; a relative L2 error above {tolerances} "
+        "marks the figure 'WRONG?'."
+    )
+    lines.append(
+        "A failing implementation records 'error: <reason>' in its cell. A program whose "
+        "compiled temp + output memory exceeds the free memory is not run."
+    )
+    return lines
+
+
+def memory_title(grid: Grid) -> str:
+    batch, heads, head_dim = grid.memory_shape
+    return (
+        f"compiled temp bytes, B={batch}, H={heads}, D={head_dim}, causal, {grid.memory_dtype} "
+        "(jax.jit(f).lower(...).compile().memory_analysis(); compiled only, never run)"
+    )
+
+
+def _split(values: Sequence[str] | None) -> list[str]:
+    return [v for value in values or () for v in value.split(",") if v]
+
+
+def _parse_seqlen(text: str) -> int:
+    text = text.strip().lower()
+    return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    parser.add_argument(
+        "--platform",
+        choices=("auto", "gpu", "cpu"),
+        default="auto",
+        help="auto: the GPU grid if JAX sees a GPU, else the CPU grid (default: auto)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="reduced grid for a smoke run (GPU: bf16, head_dim 128, seqlen 1k/4k, 3 repeats of "
+        "10 calls; CPU: seqlen 1k/2k)",
+    )
+    parser.add_argument(
+        "--dtypes", nargs="+", help="from bf16 fp16 fp32 (default: bf16 fp16 on GPU, fp32 on CPU)"
+    )
+    parser.add_argument("--head-dims", nargs="+", help="default: 64 128 256 on GPU, 64 on CPU")
+    parser.add_argument(
+        "--seqlens",
+        nargs="+",
+        help="e.g. 512 1k 4k (default: 512 1k 2k 4k 8k 16k on GPU, 1k 2k 4k on CPU, where "
+        "forward+backward runs at all but the longest)",
+    )
+    parser.add_argument(
+        "--impls",
+        nargs="+",
+        choices=IMPL_NAMES,
+        help="default: jax_flash cudnn xla on GPU, jax_flash xla on CPU",
+    )
+    parser.add_argument("--no-backward", action="store_true", help="forward only")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory table")
+    parser.add_argument(
+        "--memory-seqlens", nargs="+", help="default: 8k 32k 128k on GPU, 8k 16k 32k on CPU"
+    )
+    parser.add_argument(
+        "--repeats", type=int, help="timed repeats, the median is reported (default: 5 GPU, 3 CPU)"
+    )
+    parser.add_argument(
+        "--iters", help="back-to-back calls per repeat, or 'auto' (default: 20 GPU, auto CPU)"
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
+    parser.add_argument("--name", help="file name stem (default attention_<grid>[_quick])")
+    parser.add_argument("--dry-run", action="store_true", help="list the cells and exit")
+    parser.add_argument(
+        "--time-limit",
+        type=int,
+        metavar="SECONDS",
+        help="stop measuring after this long and write what was measured (the full GPU grid "
+        "can take longer than a 10-minute job slot)",
+    )
+    # Testing aids, left out of --help: run the GPU grid's code paths at tiny sizes on a CPU.
+    parser.add_argument("--grid", choices=("gpu", "cpu"), help=argparse.SUPPRESS)
+    parser.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--hidden", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    try:
+        args.dtypes = [DTYPE_ALIASES.get(d.lower(), d.lower()) for d in _split(args.dtypes)]
+        args.head_dims = [int(d) for d in _split(args.head_dims)]
+        args.seqlens = [_parse_seqlen(s) for s in _split(args.seqlens)]
+        args.memory_seqlens = [_parse_seqlen(s) for s in _split(args.memory_seqlens)]
+        if args.iters not in (None, "auto"):
+            args.iters = int(args.iters)
+    except ValueError as exc:
+        parser.error(str(exc))
+    args.error = parser.error
+    return args
+
+
+def build_grid(args: argparse.Namespace, name: str) -> Grid:
+    """The default grid for name, with the command line's overrides applied and checked."""
+    if name == "gpu":
+        grid = GPU_QUICK if args.quick else GPU_GRID
+    else:
+        grid = CPU_QUICK if args.quick else CPU_GRID
+    changes: dict[str, Any] = {}
+    if args.dtypes:
+        unknown = sorted(set(args.dtypes) - set(DTYPES))
+        if unknown:
+            args.error(f"unknown dtype(s) {unknown}; choose from {sorted(DTYPES)}")
+        changes["dtypes"] = tuple(args.dtypes)
+    if args.head_dims:
+        changes["head_dims"] = tuple(args.head_dims)
+    if args.seqlens:
+        seqlens = tuple(sorted(set(args.seqlens)))
+        changes["seqlens"] = seqlens
+        if grid.backward_seqlens is not None:
+            changes["backward_seqlens"] = seqlens[:-1] if len(seqlens) > 1 else seqlens
+    if args.impls:
+        changes["impls"] = tuple(i for i in IMPL_NAMES if i in args.impls)
+    if args.memory_seqlens:
+        changes["memory_seqlens"] = tuple(args.memory_seqlens)
+    if args.tokens:
+        changes["tokens"] = args.tokens
+    if args.hidden:
+        changes["hidden"] = args.hidden
+    if args.repeats is not None:
+        if args.repeats < 1:
+            args.error("--repeats must be >= 1")
+        changes["repeats"] = args.repeats
+    if args.iters == "auto":
+        changes["iters"] = None
+    elif args.iters is not None:
+        if args.iters < 1:
+            args.error("--iters must be >= 1 or 'auto'")
+        changes["iters"] = args.iters
+    grid = dataclasses.replace(grid, **changes)
+    impls = set(grid.impls)
+    columns = tuple(
+        (impl, bwd)
+        for impl, bwd in grid.memory_columns
+        if impl in impls and not (bwd and args.no_backward)
+    )
+    baseline = grid.baseline if grid.baseline in impls else None
+    grid = dataclasses.replace(grid, memory_columns=columns, baseline=baseline)
+    _check_grid(grid, args.error)
+    return grid
+
+
+def _check_grid(grid: Grid, error: Callable[[str], Any]) -> None:
+    for seqlen in grid.seqlens:
+        if seqlen < 1 or (grid.tokens and grid.tokens % seqlen):
+            error(f"seqlen {seqlen} must divide the {grid.tokens} tokens per cell")
+    for head_dim in grid.head_dims:
+        if head_dim < 1 or (grid.hidden and grid.hidden % head_dim):
+            error(f"head_dim {head_dim} must divide the hidden size {grid.hidden}")
+
+
+def resolve_device(requested: str, dry_run: bool) -> tuple[str, jax.Device | None]:
+    """(platform name, device). Refuses --platform gpu without a GPU unless it is a dry run."""
+    has_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+    name = ("gpu" if has_gpu else "cpu") if requested == "auto" else requested
+    if name == "gpu":
+        if not has_gpu:
+            if dry_run:
+                return name, None
+            sys.exit(
+                f"error: --platform gpu, but JAX sees no GPU (backend {jax.default_backend()})"
+            )
+        return name, jax.devices()[0]
+    return name, jax.devices("cpu")[0]
+
+
+def output_paths(args: argparse.Namespace, grid: Grid) -> dict[str, Path]:
+    stem = args.name or f"attention_{grid.name}{'_quick' if args.quick else ''}"
+    return {
+        suffix: args.out / f"{stem}{suffix}" for suffix in (".md", ".csv", "_memory.csv", ".png")
+    }
+
+
+def print_plan(grid: Grid, cells: Sequence[Cell], files: Sequence[Path]) -> None:
+    iters = "auto" if grid.iters is None else grid.iters
+    print(
+        f"grid {grid.name}: {len(cells)} cells x {len(grid.impls)} implementations "
+        f"({', '.join(LABELS[i] for i in grid.impls)}); "
+        f"baseline {LABELS[grid.baseline] if grid.baseline else 'none'}; "
+        f"{grid.repeats} repeats x {iters} calls"
+    )
+    print(FLOP_FORMULA)
+    for index, cell in enumerate(cells, 1):
+        flops = cell.flops()
+        print(
+            f"  [{index:>3}] {cell.dtype:<4} {cell.direction:<7} d={cell.head_dim:<3} "
+            f"{'causal' if cell.causal else 'full  '} S={seqlen_label(cell.seqlen):<4} "
+            f"B={cell.batch:<3} H={cell.heads:<3} {flops / 1e9:9.1f} GFLOP"
+        )
+    if grid.memory_columns and grid.memory_seqlens:
+        columns = ", ".join(
+            f"{LABELS[i]} {'fwd+bwd' if b else 'fwd'}" for i, b in grid.memory_columns
+        )
+        seqlens = ", ".join(seqlen_label(s) for s in grid.memory_seqlens)
+        print(f"memory table ({memory_title(grid)}): seqlen {seqlens}; {columns}")
+    print("would write: " + ", ".join(str(f) for f in files))
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGALRM)
+
+
+def _interrupt_on_stop_signals() -> None:
+    # A time limit's SIGTERM (or --time-limit's SIGALRM) becomes KeyboardInterrupt, so the cells
+    # measured so far still get their markdown table, plot and closing summary. A second signal
+    # acts as usual.
+    def handler(signum: int, frame: Any) -> None:
+        for stop in _STOP_SIGNALS:
+            signal.signal(stop, signal.SIG_DFL)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for stop in _STOP_SIGNALS:
+        signal.signal(stop, handler)
+
+
+def print_header(
+    args: argparse.Namespace, grid: Grid, cells: Sequence[Cell], env: dict[str, str]
+) -> None:
+    print(f"jax_flash attention benchmark on {env['device']}")
+    if grid.name == "cpu" and args.platform == "auto":
+        print(
+            "No GPU visible to JAX: running the small CPU grid against XLA. On a GPU machine "
+            "the same command measures the standard grid against cuDNN and XLA."
+        )
+    for key, value in env.items():
+        print(f"  {key}: {value}")
+    for line in [*method_lines(grid), FLOP_FORMULA]:
+        print(f"  {line}")
+    print(f"{len(cells)} cells x {len(grid.impls)} implementations; one line per cell:", flush=True)
+
+
+def measure_everything(
+    args: argparse.Namespace,
+    grid: Grid,
+    cells: Sequence[Cell],
+    device: jax.Device,
+    unit: Unit,
+    sink: CsvSink,
+) -> tuple[list[Result], list[MemoryResult], bool]:
+    """The grid, then the memory table; (results, memory, whether a stop signal cut it short)."""
+    results: list[Result] = []
+    memory: list[MemoryResult] = []
+    _interrupt_on_stop_signals()
+    if args.time_limit:
+        signal.alarm(args.time_limit)
+    try:
+        run_grid(grid, cells, device, unit, results, sink)
+        if not args.no_memory and grid.memory_columns:
+            run_memory(grid, device, memory)
+    except KeyboardInterrupt as stop:
+        why = {"SIGALRM": "--time-limit reached", "SIGTERM": "SIGTERM"}.get(str(stop), "Ctrl-C")
+        print(f"interrupted ({why}): writing what was measured so far", flush=True)
+        return results, memory, True
+    finally:
+        signal.alarm(0)
+        for stop in _STOP_SIGNALS:
+            signal.signal(stop, signal.SIG_DFL)
+    return results, memory, False
+
+
+def write_outputs(
+    paths: dict[str, Path],
+    env: dict[str, str],
+    grid: Grid,
+    cells: Sequence[Cell],
+    results: Sequence[Result],
+    memory: Sequence[MemoryResult],
+    unit: Unit,
+    interrupted: bool,
+) -> list[Path]:
+    """The markdown report, the memory CSV and the plot (the main CSV is written as it goes)."""
+    report = markdown_report(
+        env,
+        method_lines(grid),
+        cells,
+        results,
+        grid.impls,
+        grid.baseline,
+        unit,
+        memory,
+        memory_title(grid),
+        interrupted,
+    )
+    paths[".md"].write_text(report)
+    written = [paths[".md"], paths[".csv"]]
+    if memory:
+        write_memory_csv(paths["_memory.csv"], env, memory)
+        written.append(paths["_memory.csv"])
+    others = ", ".join(LABELS[i] for i in grid.impls if i != "jax_flash")
+    title = (
+        f"jax_flash vs {others}, {env['device']}\n"
+        f"jax {env['jax']}, jax_flash {env['jax_flash']}, {env['date']}"
+    )
+    if plot(paths[".png"], cells, results, grid.impls, unit, title):
+        written.append(paths[".png"])
+    else:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+    return written
+
+
+def print_closing(
+    grid: Grid,
+    cells: Sequence[Cell],
+    results: Sequence[Result],
+    memory: Sequence[MemoryResult],
+    unit: Unit,
+    written: Sequence[Path],
+    interrupted: bool,
+) -> None:
+    """Last in stdout on purpose: a caller that keeps only the tail still gets the verdict."""
+    print("\nwrote " + ", ".join(str(p) for p in written))
+    print(FLOP_FORMULA)
+    if memory:
+        print(f"\nMemory: {memory_title(grid)}")
+        print("\n".join(memory_lines(memory, markdown=False)))
+    print()
+    print("\n".join(summary_lines(cells, results, grid.impls, grid.baseline, unit)))
+    failed = sum(1 for r in results if r.error)
+    suspect = sum(1 for r in results if r.suspect)
+    if failed:
+        print(f"{failed} measurement(s) failed: see the 'error:' cells in {written[0]}")
+    if suspect:
+        print(f"{suspect} measurement(s) marked WRONG?: outputs disagree with another one's")
+    if interrupted:
+        print("run interrupted: the tables hold only the cells measured before")
+
+
+def run(args: argparse.Namespace, grid: Grid, cells: Sequence[Cell], device: jax.Device) -> int:
+    unit = Unit.for_grid("cpu" if device.platform == "cpu" else "gpu")
+    env = environment(device)
+    print_header(args, grid, cells, env)
+    args.out.mkdir(parents=True, exist_ok=True)
+    paths = output_paths(args, grid)
+    sink = CsvSink(paths[".csv"], env, grid.baseline, unit)
+    try:
+        results, memory, interrupted = measure_everything(args, grid, cells, device, unit, sink)
+    finally:
+        sink.close()
+    written = write_outputs(paths, env, grid, cells, results, memory, unit, interrupted)
+    print_closing(grid, cells, results, memory, unit, written, interrupted)
+    return 130 if interrupted else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    platform_name, device = resolve_device(args.platform, args.dry_run)
+    grid = build_grid(args, args.grid or platform_name)
+    cells = grid.cells(backward=not args.no_backward)
+    if args.dry_run:
+        print_plan(grid, cells, list(output_paths(args, grid).values()))
+        return 0
+    assert device is not None
+    with jax.default_device(device):
+        return run(args, grid, cells, device)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
