@@ -1,5 +1,7 @@
-// Chooses the kernel family by element type: tensor cores for f16/bf16, exact scalar math for
-// f32/f64 (no silent TF32).
+// Chooses the kernel family by element type and device: for f16/bf16 the Hopper wgmma forward
+// where it applies (sm_90, head_dim 64/128/256) and the mma.sync kernels elsewhere; exact scalar
+// math for f32/f64 (no silent TF32).
+#include "cuda/fwd_wgmma.h"
 #include "cuda/kernels.h"
 #include "cuda/launch.h"
 
@@ -9,6 +11,7 @@ cudaError_t attention_fwd(const FwdParams& params, DType dtype, cudaStream_t str
   switch (dtype) {
     case DType::kF16:
     case DType::kBF16:
+      if (fwd_wgmma_supported(params, dtype)) return fwd_wgmma(params, dtype, stream);
       return fwd_tensor_core(params, dtype, stream);
     case DType::kF32:
     case DType::kF64:

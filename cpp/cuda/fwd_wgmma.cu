@@ -1,0 +1,175 @@
+// Host side of the Hopper wgmma forward: checks, TMA tensor maps and the dtype -> head_dim ->
+// causal dispatch to the kernel instantiations.
+#include <cudaTypedefs.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "cuda/fwd_wgmma.cuh"
+#include "cuda/fwd_wgmma.h"
+
+namespace jax_flash::cuda {
+namespace {
+
+using sm90::FwdWgmmaArgs;
+using sm90::FwdWgmmaTraits;
+
+// Compute capability (major * 10 + minor) of each device, read once; 0 = not read yet.
+constexpr int kMaxDevices = 64;
+std::atomic<int> g_device_cc[kMaxDevices];
+
+bool current_device_is_sm90() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0) return false;
+  if (device < kMaxDevices) {
+    const int cached = g_device_cc[device].load(std::memory_order_relaxed);
+    if (cached != 0) return cached == 90;
+  }
+  int major = 0;
+  int minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    return false;
+  }
+  const int cc = major * 10 + minor;
+  if (device < kMaxDevices) g_device_cc[device].store(cc, std::memory_order_relaxed);
+  return cc == 90;
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point, so that nothing links libcuda.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encoder = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &query) != cudaSuccess ||
+        query != cudaDriverEntryPointSuccess) {
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encoder;
+}
+
+// A [batch, seqlen, heads, head_dim] tensor as a 4-D map (innermost first), read or written in
+// boxes of 64 head-dim columns (one 128-byte swizzle span) x `box_rows` sequence positions of one
+// head. Rows past seqlen read as zeros and are not written.
+bool encode_bshd(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, int64_t batch,
+                 int64_t seqlen, int64_t heads, int64_t head_dim, int box_rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  constexpr int64_t kElemBytes = 2;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(seqlen), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_dim * kElemBytes),
+                                 static_cast<cuuint64_t>(heads * head_dim * kElemBytes),
+                                 static_cast<cuuint64_t>(seqlen * heads * head_dim * kElemBytes)};
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  return encode(map, type, 4, const_cast<void*>(ptr), dims, strides, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
+bool params_supported(const FwdParams& p, DType dtype) {
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  if (dtype != DType::kF16 && dtype != DType::kBF16) return false;
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return false;
+  if (p.batch < 0 || p.seqlen_q < 0 || p.seqlen_k < 0 || p.heads_q <= 0 || p.heads_kv <= 0) {
+    return false;
+  }
+  if (p.heads_q % p.heads_kv != 0) return false;
+  if (p.batch > kIntMax || p.seqlen_q > kIntMax || p.seqlen_k > kIntMax || p.heads_q > kIntMax) {
+    return false;
+  }
+  // 128 is the smallest query tile of the family, so this bounds every grid.
+  const int64_t m_blocks = (p.seqlen_q + 127) / 128;
+  if (m_blocks * p.heads_q * p.batch > kIntMax) return false;
+  if (!(std::isfinite(p.softmax_scale) && p.softmax_scale > 0.0)) return false;
+  return aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.o);
+}
+
+template <typename T, int kHeadDim, bool kCausal, bool kLongKeys>
+cudaError_t launch(const FwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
+  using Tr = FwdWgmmaTraits<T, kHeadDim, kCausal, kLongKeys>;
+  // A zero-length key axis still needs valid (never read) K/V maps.
+  const int64_t kv_len = p.seqlen_k > 0 ? p.seqlen_k : 1;
+  CUtensorMap tm_q, tm_k, tm_v, tm_o;
+  if (!encode_bshd(&tm_q, type, p.q, p.batch, p.seqlen_q, p.heads_q, kHeadDim, Tr::kBlockM) ||
+      !encode_bshd(&tm_k, type, p.k, p.batch, kv_len, p.heads_kv, kHeadDim, Tr::kBlockN) ||
+      !encode_bshd(&tm_v, type, p.v, p.batch, kv_len, p.heads_kv, kHeadDim, Tr::kBlockN) ||
+      !encode_bshd(&tm_o, type, p.o, p.batch, p.seqlen_q, p.heads_q, kHeadDim,
+                   Tr::kBlockM / Tr::kConsumerWarpgroups)) {
+    return cudaErrorInvalidValue;
+  }
+  FwdWgmmaArgs args;
+  args.lse = static_cast<float*>(p.lse);
+  args.seqlen_q = static_cast<int>(p.seqlen_q);
+  args.seqlen_k = static_cast<int>(p.seqlen_k);
+  args.heads_q = static_cast<int>(p.heads_q);
+  args.group = static_cast<int>(p.heads_q / p.heads_kv);
+  args.m_blocks = static_cast<int>((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
+  args.scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
+
+  const auto kernel = sm90::fwd_wgmma_kernel<Tr>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const unsigned grid = static_cast<unsigned>(args.m_blocks * p.heads_q * p.batch);
+  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(args, tm_q, tm_k, tm_v, tm_o);
+  return cudaGetLastError();
+}
+
+// Instantiates the long-keys variant only where its tile differs.
+template <typename T, int kHeadDim, bool kCausal>
+cudaError_t dispatch_length(const FwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
+  constexpr bool kDiffers = sm90::fwd_wgmma_tile(kHeadDim, kCausal, true).block_n !=
+                            sm90::fwd_wgmma_tile(kHeadDim, kCausal, false).block_n;
+  if constexpr (kDiffers) {
+    if (p.seqlen_k >= sm90::kLongKeys) return launch<T, kHeadDim, kCausal, true>(p, type, stream);
+  }
+  return launch<T, kHeadDim, kCausal, false>(p, type, stream);
+}
+
+template <typename T, int kHeadDim>
+cudaError_t dispatch_causal(const FwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
+  return p.causal ? dispatch_length<T, kHeadDim, true>(p, type, stream)
+                  : dispatch_length<T, kHeadDim, false>(p, type, stream);
+}
+
+template <typename T>
+cudaError_t dispatch_head_dim(const FwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64:
+      return dispatch_causal<T, 64>(p, type, stream);
+    case 128:
+      return dispatch_causal<T, 128>(p, type, stream);
+    case 256:
+      return dispatch_causal<T, 256>(p, type, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+bool fwd_wgmma_supported(const FwdParams& params, DType dtype) {
+  return params_supported(params, dtype) && current_device_is_sm90();
+}
+
+cudaError_t fwd_wgmma(const FwdParams& params, DType dtype, cudaStream_t stream) {
+  if (!current_device_is_sm90()) return cudaErrorNotSupported;
+  if (!params_supported(params, dtype)) return cudaErrorInvalidValue;
+  if (params.batch == 0 || params.seqlen_q == 0) return cudaSuccess;
+  if (dtype == DType::kBF16) {
+    return dispatch_head_dim<__nv_bfloat16>(params, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream);
+  }
+  return dispatch_head_dim<__half>(params, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);
+}
+
+}  // namespace jax_flash::cuda
