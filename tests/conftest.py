@@ -1,0 +1,340 @@
+"""Shared test helpers: seeded random inputs, the float64 reference, relative L2 errors and the
+tolerance rules every numerical test applies.
+
+Tolerances (relative L2 error against the float64 reference computed from the same inputs):
+  float64  1e-10
+  float32  1e-5 for forward outputs, 5e-5 for gradients (where float32 arithmetic itself cannot
+           do that, e.g. huge logits, the FlashAttention rule below with the float32 reference)
+  f16/bf16 the FlashAttention rule: at most 2x (forward) or 3x (gradients) the error of the plain
+           reference evaluated in the same low precision, plus a 1e-3 floor, and never above 5e-2.
+Gradients whose RMS is below 0.1 (they can vanish by cancellation) are measured against 0.1.
+
+Tests run on whatever backend JAX picks (CPU here, GPU where there is one); float64 is enabled for
+the whole session so that the references and the float64 kernels are available.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+jax.config.update("jax_enable_x64", True)
+# On GPUs XLA computes float32 matrix products in TF32 by default; the references (and the Flax
+# layers around the kernel) must be exact float32 for the 1e-5 tolerances to mean anything.
+jax.config.update("jax_default_matmul_precision", "highest")
+
+import jax_flash  # noqa: E402
+from jax_flash.reference import attention_reference  # noqa: E402
+
+BACKEND = jax.default_backend()
+ON_GPU = BACKEND == "gpu"
+
+ALL_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+LOW_PRECISION = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+TOL_F64 = 1e-10
+TOL_F32 = {"fwd": 1e-5, "grad": 5e-5}
+LOWP_FACTOR = {"fwd": 2.0, "grad": 3.0}
+LOWP_FLOOR = 1e-3
+# Whatever the low-precision reference does, a kernel this far off is wrong: keeps the
+# FlashAttention rule from turning vacuous when the naive low-precision reference is very poor.
+LOWP_CAP = 5e-2
+# Gradients can vanish by cancellation (a softmax over one key has no gradient at all): below an
+# RMS of GRAD_FLOOR per element their error is measured against GRAD_FLOOR, not against ~0.
+GRAD_FLOOR = 0.1
+
+
+def dtype_id(dtype) -> str:
+    return jnp.dtype(dtype).name
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """A generator seeded from the test's node id: fresh inputs per test, reproducible per test."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def normal(rng: np.random.Generator, shape, dtype, scale: float = 1.0) -> jax.Array:
+    """Standard normal samples (times scale), rounded to dtype."""
+    return jnp.asarray(rng.standard_normal(shape) * scale, dtype=dtype)
+
+
+def make_qkv(
+    rng,
+    *,
+    batch=2,
+    seqlen_q,
+    seqlen_k,
+    heads_q=2,
+    heads_kv=None,
+    head_dim=64,
+    dtype=jnp.float32,
+    scale=1.0,
+):
+    heads_kv = heads_q if heads_kv is None else heads_kv
+    q = normal(rng, (batch, seqlen_q, heads_q, head_dim), dtype, scale)
+    k = normal(rng, (batch, seqlen_k, heads_kv, head_dim), dtype, scale)
+    v = normal(rng, (batch, seqlen_k, heads_kv, head_dim), dtype)
+    return q, k, v
+
+
+def stats_dtype(dtype) -> jnp.dtype:
+    """dtype of lse: float64 for float64 inputs, float32 otherwise."""
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+
+
+def f64(*xs):
+    out = tuple(jnp.asarray(x, jnp.float64) for x in xs)
+    return out if len(out) > 1 else out[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Jitted forward and VJP of the kernel and of the reference. One compile per shape and flag set.
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "softmax_scale"))
+def flash_forward(q, k, v, *, causal, softmax_scale=None):
+    return jax_flash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+
+
+# The references are compiled once per test shape and their compile time dominates the CPU run
+# time; LLVM's optimisation level changes how fast they run, not what they compute.
+_REFERENCE_JIT = functools.partial(
+    jax.jit,
+    static_argnames=("causal", "softmax_scale"),
+    compiler_options={"xla_backend_optimization_level": 0} if BACKEND == "cpu" else None,
+)
+
+
+@_REFERENCE_JIT
+def reference_forward(q, k, v, *, causal, softmax_scale=None):
+    return attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+
+
+def _vjp(fn, q, k, v, dout, dlse, causal, softmax_scale):
+    if dlse is None:
+        # return_lse=False: the custom VJP must supply a zero lse cotangent itself.
+        def f(q, k, v):
+            return fn(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+        out, pullback = jax.vjp(f, q, k, v)
+        lse = None
+        grads = pullback(dout)
+    else:
+
+        def f(q, k, v):
+            return fn(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+
+        (out, lse), pullback = jax.vjp(f, q, k, v)
+        grads = pullback((dout, dlse))
+    return out, lse, grads
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "softmax_scale"))
+def flash_vjp(q, k, v, dout, dlse=None, *, causal, softmax_scale=None):
+    """(out, lse or None, (dq, dk, dv)) of jax_flash.attention with cotangents dout (and dlse)."""
+    return _vjp(jax_flash.attention, q, k, v, dout, dlse, causal, softmax_scale)
+
+
+@_REFERENCE_JIT
+def reference_vjp(q, k, v, dout, dlse=None, *, causal, softmax_scale=None):
+    return _vjp(attention_reference, q, k, v, dout, dlse, causal, softmax_scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors and tolerances.
+
+
+def rel_l2(x, ref, floor: float = 0.0) -> float:
+    """||x - ref|| / max(||ref||, floor * sqrt(size)) in float64; NaN if x has a NaN.
+
+    floor is a root-mean-square magnitude below which the error counts as absolute; without one,
+    a reference of exactly 0 gives 0 (x == 0) or inf."""
+    x = np.asarray(x).astype(np.float64)
+    ref = np.asarray(ref).astype(np.float64)
+    assert x.shape == ref.shape, (x.shape, ref.shape)
+    num = float(np.linalg.norm((x - ref).ravel()))
+    den = max(float(np.linalg.norm(ref.ravel())), floor * math.sqrt(ref.size))
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / den
+
+
+def tolerance(dtype, kind: str, lowp_error: float | None = None) -> float:
+    """The allowed relative L2 error for inputs of dtype; lowp_error is the error of the plain
+    reference evaluated in that dtype (required for float16 and bfloat16; for float32 it widens
+    the tolerance where float32 itself cannot do better, e.g. with huge logits)."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float64:
+        return TOL_F64
+    if dtype == jnp.float32:
+        if lowp_error is None or not math.isfinite(lowp_error):
+            return TOL_F32[kind]
+        return max(TOL_F32[kind], LOWP_FACTOR[kind] * lowp_error)
+    assert lowp_error is not None, "low-precision checks need the low-precision reference"
+    if not math.isfinite(lowp_error):
+        # The naive low-precision reference overflowed (e.g. float16 scores of huge logits).
+        return LOWP_CAP
+    return min(LOWP_FACTOR[kind] * lowp_error + LOWP_FLOOR, LOWP_CAP)
+
+
+def assert_close(name, actual, ref64, *, dtype, kind, lowp=None):
+    """Relative L2 error of actual against the float64 reference, within the dtype's tolerance.
+
+    dtype is the input dtype (it picks the rule); lowp is the same quantity computed by the
+    reference in that dtype, required for float16 and bfloat16.
+    """
+    actual_np = np.asarray(actual).astype(np.float64)
+    assert not np.isnan(actual_np).any(), f"{name}: {int(np.isnan(actual_np).sum())} NaNs"
+    floor = GRAD_FLOOR if kind == "grad" else 0.0
+    lowp_error = None if lowp is None else rel_l2(lowp, ref64, floor)
+    tol = tolerance(dtype, kind, lowp_error)
+    err = rel_l2(actual_np, ref64, floor)
+    detail = "" if lowp_error is None else f", low-precision reference error {lowp_error:.3e}"
+    assert err <= tol, (
+        f"{name} ({dtype_id(dtype)}): relative L2 error {err:.3e} > tolerance {tol:.3e}{detail}"
+    )
+
+
+def _finite_part(lse, mask):
+    return np.where(mask, 0.0, np.asarray(lse).astype(np.float64))
+
+
+def assert_lse_close(actual, ref64, *, dtype, lowp=None):
+    """lse is -inf exactly where the reference is (fully masked rows), close elsewhere.
+
+    lse is float32 even for float16/bfloat16 inputs, and every product of two such inputs is
+    exact in float32, so it is held to the float32 tolerance, not to the FlashAttention rule."""
+    actual_np = np.asarray(actual).astype(np.float64)
+    ref_np = np.asarray(ref64).astype(np.float64)
+    masked = np.isneginf(ref_np)
+    assert np.array_equal(np.isneginf(actual_np), masked), "lse: -inf at the wrong rows"
+    assert np.isfinite(actual_np[~masked]).all(), "lse: non-finite values in visible rows"
+    lse_dtype = stats_dtype(dtype)
+    same_precision = lowp is not None and lse_dtype == jnp.dtype(dtype)
+    assert_close(
+        "lse",
+        _finite_part(actual_np, masked),
+        _finite_part(ref_np, masked),
+        dtype=lse_dtype,
+        kind="fwd",
+        lowp=_finite_part(lowp, masked) if same_precision else None,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole checks, shared by several test files.
+
+
+def check_forward(
+    rng,
+    *,
+    batch=2,
+    seqlen_q,
+    seqlen_k,
+    heads_q=2,
+    heads_kv=None,
+    head_dim=64,
+    dtype=jnp.float32,
+    causal=False,
+    softmax_scale=None,
+    input_scale=1.0,
+    same_precision_rule=False,
+):
+    """Runs the forward on random inputs and checks O and lse against the float64 reference.
+
+    same_precision_rule: also hold float32 to the FlashAttention rule (for inputs where float32
+    arithmetic itself is far from 1e-5, such as huge logits)."""
+    q, k, v = make_qkv(
+        rng,
+        batch=batch,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        head_dim=head_dim,
+        dtype=dtype,
+        scale=input_scale,
+    )
+    out, lse = flash_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (batch, heads_q, seqlen_q) and lse.dtype == stats_dtype(dtype)
+    ref_out, ref_lse = reference_forward(*f64(q, k, v), causal=causal, softmax_scale=softmax_scale)
+    lowp_out = lowp_lse = None
+    if jnp.dtype(dtype) in LOW_PRECISION or (same_precision_rule and dtype == jnp.float32):
+        lowp_out, lowp_lse = reference_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    assert_close("out", out, ref_out, dtype=dtype, kind="fwd", lowp=lowp_out)
+    assert_lse_close(lse, ref_lse, dtype=dtype, lowp=lowp_lse)
+    return (q, k, v), (out, lse), (ref_out, ref_lse)
+
+
+def check_backward(
+    rng,
+    *,
+    batch=2,
+    seqlen_q,
+    seqlen_k,
+    heads_q=2,
+    heads_kv=None,
+    head_dim=64,
+    dtype=jnp.float32,
+    causal=False,
+    softmax_scale=None,
+    lse_cotangent=False,
+    input_scale=1.0,
+    same_precision_rule=False,
+):
+    """VJP with a random cotangent on O (and on lse) against the VJP of the float64 reference.
+
+    Returns the inputs with the O cotangent, (out, lse) and the kernel's (dq, dk, dv)."""
+    q, k, v = make_qkv(
+        rng,
+        batch=batch,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        head_dim=head_dim,
+        dtype=dtype,
+        scale=input_scale,
+    )
+    dout = normal(rng, q.shape, dtype)
+    dlse = normal(rng, (batch, heads_q, seqlen_q), stats_dtype(dtype)) if lse_cotangent else None
+    kw = {"causal": causal, "softmax_scale": softmax_scale}
+    out, lse, grads = flash_vjp(q, k, v, dout, dlse, **kw)
+    ref_out, ref_lse, ref_grads = reference_vjp(
+        *f64(q, k, v, dout), None if dlse is None else f64(dlse), **kw
+    )
+    lowp_out = lowp_lse = None
+    lowp_grads = (None, None, None)
+    if jnp.dtype(dtype) in LOW_PRECISION or (same_precision_rule and dtype == jnp.float32):
+        lowp_out, lowp_lse, lowp_grads = reference_vjp(
+            q, k, v, dout, None if dlse is None else dlse.astype(dtype), **kw
+        )
+    assert_close("out", out, ref_out, dtype=dtype, kind="fwd", lowp=lowp_out)
+    if lse_cotangent:
+        assert_lse_close(lse, ref_lse, dtype=dtype, lowp=lowp_lse)
+    for name, g, x, ref_g, lowp_g in zip(
+        ("dq", "dk", "dv"), grads, (q, k, v), ref_grads, lowp_grads, strict=True
+    ):
+        assert g.shape == x.shape and g.dtype == x.dtype, (name, g.shape, g.dtype)
+        assert_close(name, g, ref_g, dtype=dtype, kind="grad", lowp=lowp_g)
+    return (q, k, v, dout), (out, lse), grads
+
+
+def poison_allocator(like) -> None:
+    """Fills and frees a NaN buffer the size of `like` so that a kernel which leaves part of an
+    output unwritten is likely to hand back NaNs instead of lucky zeros."""
+    jnp.full(like.shape, jnp.nan, like.dtype).block_until_ready()
+
+
+def custom_call_targets(hlo_text: str) -> list[str]:
+    """Names of the jax_flash FFI targets called in a StableHLO or compiled HLO module's text."""
+    return re.findall(r'(?:custom_call @|custom_call_target=")(jax_flash_\w+)', hlo_text)
