@@ -63,15 +63,9 @@ cpu::ParallelFor make_parallel_for(ffi::ThreadPool& pool) {
 ffi::Error fwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                    double softmax_scale, bool causal) {
-  auto dims = attention_dims(q, k, v);
-  if (dims.has_error()) return dims.error();
-  auto dtype = to_dtype(q.element_type());
-  if (dtype.has_error()) return dtype.error();
-  if (auto e = check_fwd_outputs(*dims, *dtype, q.element_type(), *o, *lse); e.failure()) {
-    return e;
-  }
-  const FwdParams params = fwd_params(*dims, q, k, v, *o, *lse, softmax_scale, causal);
-  cpu::attention_fwd(params, *dtype, make_parallel_for(pool));
+  auto call = decode_fwd(q, k, v, *o, *lse, softmax_scale, causal);
+  if (call.has_error()) return call.error();
+  cpu::attention_fwd(call->params, call->dtype, make_parallel_for(pool));
   return ffi::Error::Success();
 }
 
@@ -79,17 +73,9 @@ ffi::Error bwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                    ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer delta,
                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                    ffi::Result<ffi::AnyBuffer> dv, double softmax_scale, bool causal) {
-  auto dims = attention_dims(q, k, v);
-  if (dims.has_error()) return dims.error();
-  auto dtype = to_dtype(q.element_type());
-  if (dtype.has_error()) return dtype.error();
-  if (auto e = check_bwd_buffers(*dims, *dtype, q.element_type(), dout, lse, delta, *dq, *dk, *dv);
-      e.failure()) {
-    return e;
-  }
-  const BwdParams params =
-      bwd_params(*dims, q, k, v, dout, lse, delta, *dq, *dk, *dv, softmax_scale, causal);
-  cpu::attention_bwd(params, *dtype, make_parallel_for(pool));
+  auto call = decode_bwd(q, k, v, dout, lse, delta, *dq, *dk, *dv, softmax_scale, causal);
+  if (call.has_error()) return call.error();
+  cpu::attention_bwd(call->params, call->dtype, make_parallel_for(pool));
   return ffi::Error::Success();
 }
 

@@ -23,15 +23,10 @@ ffi::Error cuda_status(cudaError_t status, const char* what) {
 ffi::Error fwd_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                     double softmax_scale, bool causal) {
-  auto dims = attention_dims(q, k, v);
-  if (dims.has_error()) return dims.error();
-  auto dtype = to_dtype(q.element_type());
-  if (dtype.has_error()) return dtype.error();
-  if (auto e = check_fwd_outputs(*dims, *dtype, q.element_type(), *o, *lse); e.failure()) {
-    return e;
-  }
-  const FwdParams params = fwd_params(*dims, q, k, v, *o, *lse, softmax_scale, causal);
-  return cuda_status(cuda::attention_fwd(params, *dtype, stream), "attention forward launch");
+  auto call = decode_fwd(q, k, v, *o, *lse, softmax_scale, causal);
+  if (call.has_error()) return call.error();
+  return cuda_status(cuda::attention_fwd(call->params, call->dtype, stream),
+                     "attention forward launch");
 }
 
 ffi::Error bwd_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -39,26 +34,19 @@ ffi::Error bwd_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                     ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dq_accum,
                     double softmax_scale, bool causal) {
-  auto dims = attention_dims(q, k, v);
-  if (dims.has_error()) return dims.error();
-  auto dtype = to_dtype(q.element_type());
-  if (dtype.has_error()) return dtype.error();
-  if (auto e = check_bwd_buffers(*dims, *dtype, q.element_type(), dout, lse, delta, *dq, *dk, *dv);
-      e.failure()) {
-    return e;
-  }
-  BwdParams params =
-      bwd_params(*dims, q, k, v, dout, lse, delta, *dq, *dk, *dv, softmax_scale, causal);
+  auto call = decode_bwd(q, k, v, dout, lse, delta, *dq, *dk, *dv, softmax_scale, causal);
+  if (call.has_error()) return call.error();
   // The scratch is only needed (and only sized) for the tensor-core path; the f32/f64 path gets
   // a one-element placeholder.
-  if (*dtype == DType::kF16 || *dtype == DType::kBF16) {
-    const int64_t q_elems = dims->batch * dims->seqlen_q * dims->heads_q * dims->head_dim;
-    if (auto e = expect_buffer(*dq_accum, ffi::DataType::F32, q_elems, "dq_accum"); e.failure()) {
+  if (call->dtype == DType::kF16 || call->dtype == DType::kBF16) {
+    if (auto e = expect_buffer(*dq_accum, ffi::DataType::F32, dq->element_count(), "dq_accum");
+        e.failure()) {
       return e;
     }
-    params.dq_accum = static_cast<float*>(dq_accum->untyped_data());
+    call->params.dq_accum = static_cast<float*>(dq_accum->untyped_data());
   }
-  return cuda_status(cuda::attention_bwd(params, *dtype, stream), "attention backward launch");
+  return cuda_status(cuda::attention_bwd(call->params, call->dtype, stream),
+                     "attention backward launch");
 }
 
 }  // namespace

@@ -95,10 +95,30 @@ inline ffi::Error expect_buffer(const ffi::AnyBuffer& b, ffi::DataType type, int
   return ffi::Error::Success();
 }
 
-inline FwdParams fwd_params(const AttentionDims& d, const ffi::AnyBuffer& q,
-                            const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, ffi::AnyBuffer o,
-                            ffi::AnyBuffer lse, double softmax_scale, bool causal) {
-  FwdParams p;
+// A decoded forward call: the params for the launcher and the element type to dispatch on.
+struct FwdCall {
+  FwdParams params;
+  DType dtype;
+};
+
+inline ffi::ErrorOr<FwdCall> decode_fwd(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                        const ffi::AnyBuffer& v, ffi::AnyBuffer o,
+                                        ffi::AnyBuffer lse, double softmax_scale, bool causal) {
+  auto dims = attention_dims(q, k, v);
+  if (dims.has_error()) return ffi::Unexpected(dims.error());
+  auto dtype = to_dtype(q.element_type());
+  if (dtype.has_error()) return ffi::Unexpected(dtype.error());
+  const AttentionDims& d = *dims;
+  const int64_t rows = d.batch * d.heads_q * d.seqlen_q;
+  if (auto e = expect_buffer(o, q.element_type(), rows * d.head_dim, "out"); e.failure()) {
+    return ffi::Unexpected(e);
+  }
+  if (auto e = expect_buffer(lse, stats_type(*dtype), rows, "lse"); e.failure()) {
+    return ffi::Unexpected(e);
+  }
+  FwdCall call{};
+  call.dtype = *dtype;
+  FwdParams& p = call.params;
   p.q = q.untyped_data();
   p.k = k.untyped_data();
   p.v = v.untyped_data();
@@ -112,39 +132,40 @@ inline FwdParams fwd_params(const AttentionDims& d, const ffi::AnyBuffer& q,
   p.head_dim = d.head_dim;
   p.softmax_scale = softmax_scale;
   p.causal = causal;
-  return p;
+  return call;
 }
 
-// Validates the outputs of a forward call against its inputs.
-inline ffi::Error check_fwd_outputs(const AttentionDims& d, DType dtype, ffi::DataType elem,
-                                    const ffi::AnyBuffer& o, const ffi::AnyBuffer& lse) {
-  const int64_t rows = d.batch * d.heads_q * d.seqlen_q;
-  if (auto e = expect_buffer(o, elem, rows * d.head_dim, "out"); e.failure()) return e;
-  return expect_buffer(lse, stats_type(dtype), rows, "lse");
-}
+// A decoded backward call; params.dq_accum is left null for the caller to fill where needed.
+struct BwdCall {
+  BwdParams params;
+  DType dtype;
+};
 
-// Validates dout, lse, delta and the gradient outputs of a backward call.
-inline ffi::Error check_bwd_buffers(const AttentionDims& d, DType dtype, ffi::DataType elem,
-                                    const ffi::AnyBuffer& dout, const ffi::AnyBuffer& lse,
-                                    const ffi::AnyBuffer& delta, const ffi::AnyBuffer& dq,
-                                    const ffi::AnyBuffer& dk, const ffi::AnyBuffer& dv) {
+inline ffi::ErrorOr<BwdCall> decode_bwd(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                        const ffi::AnyBuffer& v, const ffi::AnyBuffer& dout,
+                                        const ffi::AnyBuffer& lse, const ffi::AnyBuffer& delta,
+                                        ffi::AnyBuffer dq, ffi::AnyBuffer dk, ffi::AnyBuffer dv,
+                                        double softmax_scale, bool causal) {
+  auto dims = attention_dims(q, k, v);
+  if (dims.has_error()) return ffi::Unexpected(dims.error());
+  auto dtype = to_dtype(q.element_type());
+  if (dtype.has_error()) return ffi::Unexpected(dtype.error());
+  const AttentionDims& d = *dims;
+  const ffi::DataType elem = q.element_type();
   const int64_t q_elems = d.batch * d.seqlen_q * d.heads_q * d.head_dim;
   const int64_t kv_elems = d.batch * d.seqlen_k * d.heads_kv * d.head_dim;
   const int64_t rows = d.batch * d.heads_q * d.seqlen_q;
-  if (auto e = expect_buffer(dout, elem, q_elems, "dout"); e.failure()) return e;
-  if (auto e = expect_buffer(lse, stats_type(dtype), rows, "lse"); e.failure()) return e;
-  if (auto e = expect_buffer(delta, stats_type(dtype), rows, "delta"); e.failure()) return e;
-  if (auto e = expect_buffer(dq, elem, q_elems, "dq"); e.failure()) return e;
-  if (auto e = expect_buffer(dk, elem, kv_elems, "dk"); e.failure()) return e;
-  return expect_buffer(dv, elem, kv_elems, "dv");
-}
-
-inline BwdParams bwd_params(const AttentionDims& d, const ffi::AnyBuffer& q,
-                            const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                            const ffi::AnyBuffer& dout, const ffi::AnyBuffer& lse,
-                            const ffi::AnyBuffer& delta, ffi::AnyBuffer dq, ffi::AnyBuffer dk,
-                            ffi::AnyBuffer dv, double softmax_scale, bool causal) {
-  BwdParams p;
+  for (ffi::Error e :
+       {expect_buffer(dout, elem, q_elems, "dout"),
+        expect_buffer(lse, stats_type(*dtype), rows, "lse"),
+        expect_buffer(delta, stats_type(*dtype), rows, "delta"),
+        expect_buffer(dq, elem, q_elems, "dq"), expect_buffer(dk, elem, kv_elems, "dk"),
+        expect_buffer(dv, elem, kv_elems, "dv")}) {
+    if (e.failure()) return ffi::Unexpected(e);
+  }
+  BwdCall call{};
+  call.dtype = *dtype;
+  BwdParams& p = call.params;
   p.q = q.untyped_data();
   p.k = k.untyped_data();
   p.v = v.untyped_data();
@@ -163,7 +184,7 @@ inline BwdParams bwd_params(const AttentionDims& d, const ffi::AnyBuffer& q,
   p.head_dim = d.head_dim;
   p.softmax_scale = softmax_scale;
   p.causal = causal;
-  return p;
+  return call;
 }
 
 }  // namespace jax_flash::ffi_glue
