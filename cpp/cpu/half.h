@@ -28,17 +28,20 @@ inline float BitsFloat(uint32_t u) {
   return f;
 }
 
-// Branch-free so that packing loops vectorise. Subnormal halves are m * 2^-24, computed from the
-// integer m so that no float subnormal is ever formed.
+// Written with masks rather than branches or selects so that conversion loops vectorise.
+// Subnormal halves are m * 2^-24, computed from the integer m so that no float subnormal is formed.
 inline float HalfToFloat(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t em = h & 0x7fffu;
   // Rebiasing the exponent from 15 to 127 adds 112 << 23.
-  const float normal = BitsFloat((em << 13) + 0x38000000u);
-  const float subnormal = static_cast<float>(static_cast<int32_t>(em)) * 5.9604644775390625e-8f;
+  const uint32_t normal = (em << 13) + 0x38000000u;
+  const uint32_t subnormal =
+      FloatBits(static_cast<float>(static_cast<int32_t>(em)) * 5.9604644775390625e-8f);
   const uint32_t inf_nan = (em << 13) | 0x7f800000u;
-  uint32_t mag = FloatBits(em < 0x0400u ? subnormal : normal);
-  mag = em >= 0x7c00u ? inf_nan : mag;
+  const uint32_t is_subnormal = 0u - static_cast<uint32_t>(em < 0x0400u);
+  const uint32_t is_inf_nan = 0u - static_cast<uint32_t>(em >= 0x7c00u);
+  uint32_t mag = (normal & ~is_subnormal) | (subnormal & is_subnormal);
+  mag = (mag & ~is_inf_nan) | (inf_nan & is_inf_nan);
   return BitsFloat(mag | sign);
 }
 
