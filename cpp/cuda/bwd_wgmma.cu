@@ -1,0 +1,202 @@
+// Host side of the Hopper wgmma backward (DRAFT): checks, TMA tensor maps, dq_accum zeroing, the
+// dtype -> causal dispatch to the kernel instantiations and the dQ conversion.
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "cuda/bwd_wgmma.cuh"
+#include "cuda/bwd_wgmma.h"
+
+namespace jax_flash::cuda {
+namespace {
+
+using sm90::BwdWgmmaArgs;
+using sm90::BwdWgmmaTraits;
+
+constexpr int kMaxDevices = 64;
+std::atomic<int> g_device_cc[kMaxDevices];
+
+bool current_device_is_sm90() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0) return false;
+  if (device < kMaxDevices) {
+    const int cached = g_device_cc[device].load(std::memory_order_relaxed);
+    if (cached != 0) return cached == 90;
+  }
+  int major = 0;
+  int minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    return false;
+  }
+  const int cc = major * 10 + minor;
+  if (device < kMaxDevices) g_device_cc[device].store(cc, std::memory_order_relaxed);
+  return cc == 90;
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point, so that nothing links libcuda.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encoder = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &query) != cudaSuccess ||
+        query != cudaDriverEntryPointSuccess) {
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encoder;
+}
+
+// A [batch, seqlen, heads, head_dim] tensor as a 4-D map (innermost first), read in boxes of 64
+// head-dim columns (one 128-byte swizzle span) x `box_rows` positions of one head; rows past
+// seqlen read as zeros.
+bool encode_bshd(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, int64_t batch,
+                 int64_t seqlen, int64_t heads, int64_t head_dim, int box_rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  constexpr int64_t kElemBytes = 2;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(seqlen), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_dim * kElemBytes),
+                                 static_cast<cuuint64_t>(heads * head_dim * kElemBytes),
+                                 static_cast<cuuint64_t>(seqlen * heads * head_dim * kElemBytes)};
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  return encode(map, type, 4, const_cast<void*>(ptr), dims, strides, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+bool aligned(const void* ptr, uintptr_t bytes) {
+  return (reinterpret_cast<uintptr_t>(ptr) & (bytes - 1)) == 0;
+}
+
+bool params_supported(const BwdParams& p, DType dtype) {
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  if (dtype != DType::kF16 && dtype != DType::kBF16) return false;
+  if (p.head_dim != 64 && p.head_dim != 128) return false;
+  if (p.batch < 0 || p.seqlen_q < 0 || p.seqlen_k < 0 || p.heads_q <= 0 || p.heads_kv <= 0) {
+    return false;
+  }
+  if (p.heads_q % p.heads_kv != 0) return false;
+  // Positions (plus one tile) and head indices are int inside the kernel.
+  if (p.batch > kIntMax || p.seqlen_q > kIntMax - 1024 || p.seqlen_k > kIntMax - 1024 ||
+      p.heads_q > kIntMax) {
+    return false;
+  }
+  const int64_t n_blocks = (p.seqlen_k + 127) / 128;
+  const int64_t m_blocks = (p.seqlen_q + 63) / 64;
+  if (n_blocks * p.heads_kv * p.batch > kIntMax) return false;
+  if (m_blocks * (p.heads_q / p.heads_kv) > kIntMax) return false;
+  if (!(std::isfinite(p.softmax_scale) && p.softmax_scale > 0.0)) return false;
+  const bool empty = p.batch == 0 || p.seqlen_q == 0 || p.seqlen_k == 0;
+  if (empty) return true;
+  if (!p.q || !p.k || !p.v || !p.dout || !p.lse || !p.delta || !p.dq || !p.dk || !p.dv ||
+      !p.dq_accum) {
+    return false;
+  }
+  // TMA sources need 16-byte alignment; dq_accum takes 8-byte vector reductions, dQ 8-byte and
+  // dK/dV 4-byte stores.
+  return aligned(p.q, 16) && aligned(p.k, 16) && aligned(p.v, 16) && aligned(p.dout, 16) &&
+         aligned(p.dq_accum, 16) && aligned(p.dq, 8) && aligned(p.dk, 4) && aligned(p.dv, 4);
+}
+
+// Zeroes dq_accum, runs the main kernel and converts dQ, all on `stream`.
+template <typename T, int kHeadDim, bool kCausal>
+cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
+  using Tr = BwdWgmmaTraits<T, kHeadDim, kCausal>;
+  const int64_t dq_elems = p.batch * p.seqlen_q * p.heads_q * Tr::kD;
+  if (dq_elems > 0) {
+    const cudaError_t err = cudaMemsetAsync(p.dq_accum, 0, dq_elems * sizeof(float), stream);
+    if (err != cudaSuccess) return err;
+  }
+
+  const int64_t n_blocks = (p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN;
+  const int64_t grid = n_blocks * p.heads_kv * p.batch;
+  // With seqlen_q = 0 the kernel still runs to write zero dK and dV; its Q / dO maps then need a
+  // nonzero (never read) length.
+  if (grid > 0) {
+    const int64_t q_len = p.seqlen_q > 0 ? p.seqlen_q : 1;
+    CUtensorMap tm_q, tm_k, tm_v, tm_do;
+    if (!encode_bshd(&tm_q, type, p.q, p.batch, q_len, p.heads_q, Tr::kD, Tr::kBlockM) ||
+        !encode_bshd(&tm_do, type, p.dout, p.batch, q_len, p.heads_q, Tr::kD, Tr::kBlockM) ||
+        !encode_bshd(&tm_k, type, p.k, p.batch, p.seqlen_k, p.heads_kv, Tr::kD, Tr::kBlockN) ||
+        !encode_bshd(&tm_v, type, p.v, p.batch, p.seqlen_k, p.heads_kv, Tr::kD, Tr::kBlockN)) {
+      return cudaErrorInvalidValue;
+    }
+    BwdWgmmaArgs args;
+    args.lse = static_cast<const float*>(p.lse);
+    args.delta = static_cast<const float*>(p.delta);
+    args.dq_accum = p.dq_accum;
+    args.dk = p.dk;
+    args.dv = p.dv;
+    args.seqlen_q = static_cast<int>(p.seqlen_q);
+    args.seqlen_k = static_cast<int>(p.seqlen_k);
+    args.heads_q = static_cast<int>(p.heads_q);
+    args.heads_kv = static_cast<int>(p.heads_kv);
+    args.group = static_cast<int>(p.heads_q / p.heads_kv);
+    args.n_blocks = static_cast<int>(n_blocks);
+    args.m_blocks = static_cast<int>((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
+    args.causal_offset = static_cast<int>(p.seqlen_k - p.seqlen_q);
+    args.scale = static_cast<float>(p.softmax_scale);
+    args.scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
+
+    const auto kernel = sm90::bwd_wgmma_kernel<Tr>;
+    cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+    if (err != cudaSuccess) return err;
+    kernel<<<static_cast<unsigned>(grid), Tr::kThreads, Tr::kSmemBytes, stream>>>(args, tm_q, tm_k,
+                                                                                  tm_v, tm_do);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+
+  if (dq_elems > 0) {
+    constexpr int kThreads = 256;
+    const int64_t n4 = dq_elems / 4;
+    const int64_t blocks = std::min<int64_t>((n4 + kThreads - 1) / kThreads, 65536);
+    sm90::bwd_wgmma_dq_convert_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        reinterpret_cast<const float4*>(p.dq_accum), static_cast<T*>(p.dq), n4,
+        static_cast<float>(p.softmax_scale));
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+template <typename T, int kHeadDim>
+cudaError_t dispatch_causal(const BwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
+  return p.causal ? launch<T, kHeadDim, true>(p, type, stream)
+                  : launch<T, kHeadDim, false>(p, type, stream);
+}
+
+template <typename T>
+cudaError_t dispatch_head_dim(const BwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
+  return p.head_dim == 64 ? dispatch_causal<T, 64>(p, type, stream)
+                          : dispatch_causal<T, 128>(p, type, stream);
+}
+
+}  // namespace
+
+bool bwd_wgmma_supported(const BwdParams& params, DType dtype) {
+  return params_supported(params, dtype) && current_device_is_sm90();
+}
+
+cudaError_t bwd_wgmma(const BwdParams& params, DType dtype, cudaStream_t stream) {
+  if (!current_device_is_sm90()) return cudaErrorNotSupported;
+  if (!params_supported(params, dtype)) return cudaErrorInvalidValue;
+  if (params.batch == 0) return cudaSuccess;
+  if (dtype == DType::kBF16) {
+    return dispatch_head_dim<__nv_bfloat16>(params, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream);
+  }
+  return dispatch_head_dim<__half>(params, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);
+}
+
+}  // namespace jax_flash::cuda

@@ -1,0 +1,24 @@
+// Hopper-only backward kernel family (DRAFT, not yet run on a GPU and not wired into any
+// dispatch): FlashAttention backward on warpgroup MMA (wgmma) with TMA loads, for f16/bf16 with
+// head_dim 64 or 128 on devices of compute capability 9.0. tools/bwd_wgmma_check.cu tests it. Same
+// contract as the tensor-core backward (cuda/bwd_tc.cuh): lse is the forward's natural-log lse,
+// delta is supplied, dq_accum is fp32 scratch that this launcher zeroes and converts into dq.
+// Asynchronous on `stream`; never synchronises or allocates.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common/params.h"
+
+namespace jax_flash::cuda {
+
+// True when bwd_wgmma can run `params` on the current device: compute capability 9.0, dtype
+// kF16/kBF16, head_dim 64 or 128, lengths and heads below 2^31, 16-byte aligned Q/K/V/dO and a
+// finite positive softmax scale.
+bool bwd_wgmma_supported(const BwdParams& params, DType dtype);
+
+// Returns cudaErrorNotSupported on devices other than compute capability 9.0 and
+// cudaErrorInvalidValue for parameters bwd_wgmma_supported rejects.
+cudaError_t bwd_wgmma(const BwdParams& params, DType dtype, cudaStream_t stream);
+
+}  // namespace jax_flash::cuda
