@@ -3,7 +3,7 @@
 //
 // Build (from the repository root):
 //   nvcc -std=c++17 -O3 -I cpp -gencode=arch=compute_90a,code=sm_90a tools/bwd_wgmma_check.cu \
-//       cpp/cuda/bwd_wgmma.cu -o bwd_wgmma_check
+//       cpp/cuda/bwd_wgmma.cu cpp/cuda/sm90_host.cu -o bwd_wgmma_check
 // Run: ./bwd_wgmma_check [--quick]   (--quick: correctness only, no timing)
 //
 // Part 1 builds lse and delta = rowsum(dO * O) with a naive float32 forward on the GPU, then
@@ -25,21 +25,12 @@
 
 #include "common/params.h"
 #include "cuda/bwd_wgmma.h"
+#include "cuda_check.h"
 
 namespace {
 
 using jax_flash::BwdParams;
 using jax_flash::DType;
-
-#define CHECK_CUDA(expr)                                                 \
-  do {                                                                   \
-    cudaError_t status_ = (expr);                                        \
-    if (status_ != cudaSuccess) {                                        \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, \
-                   cudaGetErrorString(status_));                         \
-      std::exit(1);                                                      \
-    }                                                                    \
-  } while (0)
 
 constexpr int kMaxD = 128;
 

@@ -54,10 +54,10 @@ for stage in "${stages[@]}"; do
       # Standalone drivers of the Hopper kernel families: correctness grid, then timings.
       mkdir -p build
       run_stage fwd-wgmma-build nvcc -std=c++17 -O3 -I cpp $gencode tools/wgmma_check.cu \
-        cpp/cuda/fwd_wgmma.cu -o build/wgmma_check &&
+        cpp/cuda/fwd_wgmma.cu cpp/cuda/sm90_host.cu -o build/wgmma_check &&
         run_stage fwd-wgmma timeout 120 build/wgmma_check
       run_stage bwd-wgmma-build nvcc -std=c++17 -O3 -I cpp $gencode tools/bwd_wgmma_check.cu \
-        cpp/cuda/bwd_wgmma.cu -o build/bwd_wgmma_check &&
+        cpp/cuda/bwd_wgmma.cu cpp/cuda/sm90_host.cu -o build/bwd_wgmma_check &&
         run_stage bwd-wgmma timeout 120 build/bwd_wgmma_check
       ;;
     bench-quick)

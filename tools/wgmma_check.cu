@@ -3,7 +3,7 @@
 //
 // Build (from the repository root):
 //   nvcc -std=c++17 -O3 -I cpp -gencode=arch=compute_90a,code=sm_90a tools/wgmma_check.cu \
-//       cpp/cuda/fwd_wgmma.cu -o wgmma_check
+//       cpp/cuda/fwd_wgmma.cu cpp/cuda/sm90_host.cu -o wgmma_check
 // Run: ./wgmma_check [--quick]   (--quick: a few small cases, no timing; for compute-sanitizer)
 //
 // Part 1 compares O and lse with a naive float32 reference on the GPU (one thread per query row)
@@ -25,21 +25,12 @@
 
 #include "common/params.h"
 #include "cuda/fwd_wgmma.h"
+#include "cuda_check.h"
 
 namespace {
 
 using jax_flash::DType;
 using jax_flash::FwdParams;
-
-#define CHECK_CUDA(expr)                                                 \
-  do {                                                                   \
-    cudaError_t status_ = (expr);                                        \
-    if (status_ != cudaSuccess) {                                        \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, \
-                   cudaGetErrorString(status_));                         \
-      std::exit(1);                                                      \
-    }                                                                    \
-  } while (0)
 
 __host__ __device__ uint64_t splitmix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;

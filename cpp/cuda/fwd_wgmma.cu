@@ -2,77 +2,21 @@
 // causal dispatch to the kernel instantiations.
 #include <cudaTypedefs.h>
 
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 
 #include "cuda/fwd_wgmma.cuh"
 #include "cuda/fwd_wgmma.h"
+#include "cuda/sm90_host.h"
 
 namespace jax_flash::cuda {
 namespace {
 
+using sm90::current_device_is_sm90;
+using sm90::encode_bshd;
 using sm90::FwdWgmmaArgs;
 using sm90::FwdWgmmaTraits;
-
-// Compute capability (major * 10 + minor) of each device, read once; 0 = not read yet.
-constexpr int kMaxDevices = 64;
-std::atomic<int> g_device_cc[kMaxDevices];
-
-bool current_device_is_sm90() {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0) return false;
-  if (device < kMaxDevices) {
-    const int cached = g_device_cc[device].load(std::memory_order_relaxed);
-    if (cached != 0) return cached == 90;
-  }
-  int major = 0;
-  int minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    return false;
-  }
-  const int cc = major * 10 + minor;
-  if (device < kMaxDevices) g_device_cc[device].store(cc, std::memory_order_relaxed);
-  return cc == 90;
-}
-
-// cuTensorMapEncodeTiled through the runtime's driver entry point, so that nothing links libcuda.
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 encoder = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
-                                         &query) != cudaSuccess ||
-        query != cudaDriverEntryPointSuccess) {
-      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
-  return encoder;
-}
-
-// A [batch, seqlen, heads, head_dim] tensor as a 4-D map (innermost first), read or written in
-// boxes of 64 head-dim columns (one 128-byte swizzle span) x `box_rows` sequence positions of one
-// head. Rows past seqlen read as zeros and are not written.
-bool encode_bshd(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, int64_t batch,
-                 int64_t seqlen, int64_t heads, int64_t head_dim, int box_rows) {
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  if (encode == nullptr) return false;
-  constexpr int64_t kElemBytes = 2;
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
-                              static_cast<cuuint64_t>(seqlen), static_cast<cuuint64_t>(batch)};
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_dim * kElemBytes),
-                                 static_cast<cuuint64_t>(heads * head_dim * kElemBytes),
-                                 static_cast<cuuint64_t>(seqlen * heads * head_dim * kElemBytes)};
-  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(box_rows), 1};
-  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  return encode(map, type, 4, const_cast<void*>(ptr), dims, strides, box, element_strides,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 

@@ -1,0 +1,69 @@
+// Host-side helpers shared by the Hopper kernel families (see sm90_host.h).
+#include <cudaTypedefs.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "cuda/sm90_host.h"
+
+namespace jax_flash::cuda::sm90 {
+namespace {
+
+// Compute capability (major * 10 + minor) of each device, read once; 0 = not read yet.
+constexpr int kMaxDevices = 64;
+std::atomic<int> g_device_cc[kMaxDevices];
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point, so that nothing links libcuda.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encoder = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &query) != cudaSuccess ||
+        query != cudaDriverEntryPointSuccess) {
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encoder;
+}
+
+}  // namespace
+
+bool current_device_is_sm90() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0) return false;
+  if (device < kMaxDevices) {
+    const int cached = g_device_cc[device].load(std::memory_order_relaxed);
+    if (cached != 0) return cached == 90;
+  }
+  int major = 0;
+  int minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    return false;
+  }
+  const int cc = major * 10 + minor;
+  if (device < kMaxDevices) g_device_cc[device].store(cc, std::memory_order_relaxed);
+  return cc == 90;
+}
+
+bool encode_bshd(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, int64_t batch,
+                 int64_t seqlen, int64_t heads, int64_t head_dim, int box_rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  constexpr int64_t kElemBytes = 2;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(seqlen), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_dim * kElemBytes),
+                                 static_cast<cuuint64_t>(heads * head_dim * kElemBytes),
+                                 static_cast<cuuint64_t>(seqlen * heads * head_dim * kElemBytes)};
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  return encode(map, type, 4, const_cast<void*>(ptr), dims, strides, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+}  // namespace jax_flash::cuda::sm90
