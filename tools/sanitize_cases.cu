@@ -15,22 +15,13 @@
 
 #include "common/params.h"
 #include "cuda/launch.h"
+#include "cuda_check.h"
 
 namespace {
 
 using jax_flash::BwdParams;
 using jax_flash::DType;
 using jax_flash::FwdParams;
-
-#define CHECK_CUDA(expr)                                                 \
-  do {                                                                   \
-    cudaError_t status_ = (expr);                                        \
-    if (status_ != cudaSuccess) {                                        \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, \
-                   cudaGetErrorString(status_));                         \
-      std::exit(1);                                                      \
-    }                                                                    \
-  } while (0)
 
 struct Case {
   DType dtype;
