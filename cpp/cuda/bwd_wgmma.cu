@@ -9,6 +9,7 @@
 
 #include "cuda/bwd_wgmma.cuh"
 #include "cuda/bwd_wgmma.h"
+#include "cuda/dq_convert.cuh"
 #include "cuda/sm90_host.h"
 
 namespace jax_flash::cuda {
@@ -107,7 +108,7 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
     constexpr int kThreads = 256;
     const int64_t n4 = dq_elems / 4;
     const int64_t blocks = std::min<int64_t>((n4 + kThreads - 1) / kThreads, 65536);
-    sm90::bwd_wgmma_dq_convert_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+    dq_convert_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
         reinterpret_cast<const float4*>(p.dq_accum), static_cast<T*>(p.dq), n4,
         static_cast<float>(p.softmax_scale));
     const cudaError_t err = cudaGetLastError();
