@@ -1,5 +1,5 @@
-// Standalone correctness and timing driver for the DRAFT Hopper wgmma backward
-// (cpp/cuda/bwd_wgmma.*), independent of JAX and of the default dispatch. Needs an sm_90 GPU.
+// Standalone correctness and timing driver for the Hopper wgmma backward
+// (cpp/cuda/bwd_wgmma.*), independent of JAX. Needs an sm_90 GPU.
 //
 // Build (from the repository root):
 //   nvcc -std=c++17 -O3 -I cpp -gencode=arch=compute_90a,code=sm_90a tools/bwd_wgmma_check.cu \
@@ -160,7 +160,12 @@ std::vector<T> to_host(const T* d, int64_t n) {
   return h;
 }
 
-// Relative L2 error of a bf16 result against a float32 reference; NaN on any non-finite output.
+// ||got - ref|| / max(||ref||, kGradFloor * sqrt(n)) of a bf16 result against a float32
+// reference; NaN on any non-finite output. The floor (as in tests/conftest.py) keeps gradients
+// that are exactly 0 in exact arithmetic, such as dQ and dK of a row that sees a single key, from
+// turning rounding noise into an infinite relative error.
+constexpr double kGradFloor = 0.1;
+
 double rel_l2(const std::vector<__nv_bfloat16>& got, const std::vector<float>& ref) {
   double num = 0.0, den = 0.0;
   for (size_t i = 0; i < ref.size(); ++i) {
@@ -169,6 +174,7 @@ double rel_l2(const std::vector<__nv_bfloat16>& got, const std::vector<float>& r
     num += (g - ref[i]) * (g - ref[i]);
     den += static_cast<double>(ref[i]) * ref[i];
   }
+  den = std::max(den, kGradFloor * kGradFloor * static_cast<double>(ref.size()));
   if (den == 0.0) return num == 0.0 ? 0.0 : INFINITY;
   return std::sqrt(num / den);
 }
@@ -336,14 +342,11 @@ int main(int argc, char** argv) {
     ok &= check_case({1, 300, 77, 2, 2, 64, causal != 0}, seed++);
     ok &= check_case({1, 77, 300, 4, 2, 64, causal != 0}, seed++);
   }
-  if (!ok) {
-    std::printf("FAILED\n");
-    return 1;
-  }
-  std::printf("all correctness cases passed\n");
+  std::printf(ok ? "all correctness cases passed\n" : "FAILED\n");
+  // Timed even after a failure: the speed of a wrong kernel still says whether it is worth fixing.
   if (!quick) {
     time_case(false);
     time_case(true);
   }
-  return 0;
+  return ok ? 0 : 1;
 }

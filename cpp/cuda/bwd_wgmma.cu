@@ -1,4 +1,4 @@
-// Host side of the Hopper wgmma backward (DRAFT): checks, TMA tensor maps, dq_accum zeroing, the
+// Host side of the Hopper wgmma backward: checks, TMA tensor maps, dq_accum zeroing, the
 // dtype -> causal dispatch to the kernel instantiations and the dQ conversion.
 #include <cudaTypedefs.h>
 

@@ -1,5 +1,5 @@
 // FlashAttention backward for Hopper (sm_90a) on warpgroup MMA, after the FlashAttention-3
-// paper's backward: DRAFT, compiled but never run. One CTA per (128-key tile, kv head, batch):
+// paper's backward. One CTA per (128-key tile, kv head, batch):
 // K_j and V_j are loaded once by TMA; a producer warp streams Q_i, dO_i (TMA) and lse_i, delta_i
 // (plain loads) of every query tile of every query head of the GQA group through a two-stage
 // ring guarded by mbarriers; two consumer warpgroups, each owning 64 of the 128 keys, compute
@@ -88,7 +88,7 @@ struct BwdWgmmaTraits {
   static constexpr int kSmemBytes = kBarOffset + 8 * kNumBarriers + 1024;
 
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>);
-  static_assert(kD == 64 || kD == 128, "only head_dim 64 and 128 are drafted");
+  static_assert(kD == 64 || kD == 128, "head_dim 64 and 128 only");
   static_assert(kBlockM * 2 == kRowBytes, "dS^T rows must be exactly one swizzle span");
   static_assert(kKVPanelBytes % 1024 == 0 && kQPanelBytes % 1024 == 0 && kDsBytes % 1024 == 0);
   static_assert(kSmemBytes <= 227 * 1024);
@@ -199,8 +199,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // The 32 lanes of the producer warp arrive after writing lse / delta; lane 0's arrival
       // also carries the TMA byte count.
       mbar_init(bar_full(s), 32);
-      // Released by every consumer warp once its GEMMs have read the stage.
-      mbar_init(bar_empty(s), 4 * Tr::kConsumerWarpgroups);
+      // Released by every consumer thread once its GEMMs and its own lse / delta reads are done
+      // with the stage: each thread's arrival orders its own shared-memory reads before the
+      // producer's next writes of that stage (one arrival per warp would not cover the reads of
+      // the other 31 lanes).
+      mbar_init(bar_empty(s), 128 * Tr::kConsumerWarpgroups);
     }
     fence_barrier_init();
   }
@@ -441,7 +444,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       fence_operand(dv);
       fence_operand(p);
       fence_operand(ds);
-      if (lane == 0) mbar_arrive(bar_empty(stage));
+      mbar_arrive(bar_empty(stage));
 
       // dq accumulator element 4i + 2r + e is (query row 16 warp + g + 8r, head-dim column
       // 64 cw + 8i + 2t + e when split, else 8i + 2t + e).

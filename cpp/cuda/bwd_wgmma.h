@@ -1,9 +1,9 @@
-// Hopper-only backward kernel family (DRAFT, not yet run on a GPU and not wired into any
-// dispatch): FlashAttention backward on warpgroup MMA (wgmma) with TMA loads, for f16/bf16 with
-// head_dim 64 or 128 on devices of compute capability 9.0. tools/bwd_wgmma_check.cu tests it. Same
-// contract as the tensor-core backward (cuda/bwd_tc.cuh): lse is the forward's natural-log lse,
-// delta is supplied, dq_accum is fp32 scratch that this launcher zeroes and converts into dq.
-// Asynchronous on `stream`; never synchronises or allocates.
+// Hopper-only backward kernel family, dispatched by cuda/launch.cu: FlashAttention backward on
+// warpgroup MMA (wgmma) with TMA loads, for f16/bf16 with head_dim 64 or 128 on devices of compute
+// capability 9.0. tools/bwd_wgmma_check.cu tests it. Same contract as the tensor-core backward
+// (cuda/bwd_tc.cuh): lse is the forward's natural-log lse, delta is supplied, dq_accum is fp32
+// scratch that this launcher zeroes and converts into dq. Asynchronous on `stream`; never
+// synchronises or allocates.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,6 +1,7 @@
-// Chooses the kernel family by element type and device: for f16/bf16 the Hopper wgmma forward
-// where it applies (sm_90, head_dim 64/128/256) and the mma.sync kernels elsewhere; exact scalar
-// math for f32/f64 (no silent TF32).
+// Chooses the kernel family by element type and device: for f16/bf16 the Hopper wgmma kernels
+// where they apply (sm_90; forward at head_dim 64/128/256, backward at 64/128) and the mma.sync
+// kernels elsewhere; exact scalar math for f32/f64 (no silent TF32).
+#include "cuda/bwd_wgmma.h"
 #include "cuda/fwd_wgmma.h"
 #include "cuda/kernels.h"
 #include "cuda/launch.h"
@@ -25,6 +26,7 @@ cudaError_t attention_bwd(const BwdParams& params, DType dtype, cudaStream_t str
     case DType::kF16:
     case DType::kBF16:
       if (params.dq_accum == nullptr) return cudaErrorInvalidValue;
+      if (bwd_wgmma_supported(params, dtype)) return bwd_wgmma(params, dtype, stream);
       return bwd_tensor_core(params, dtype, stream);
     case DType::kF32:
     case DType::kF64:
