@@ -95,12 +95,12 @@ __device__ __forceinline__ void score_tiles(
 
 // P and dS of one score entry from the raw dot products x = q.k and y = dO.v. `ok` is false for
 // masked entries, padded rows and queries whose lse is -inf (fully masked rows): those give exact
-// zeros and never evaluate exp(-inf + inf). As in the forward pass, scale * x is not rounded on
-// its own before lse is subtracted.
+// zeros and never evaluate exp(-inf + inf). The logit is rounded exactly as in the forward pass
+// (scaled_logit).
 template <typename T>
 __device__ __forceinline__ void softmax_grad(T x, T y, T scale, T lse, T delta, bool ok, T& p,
                                              T& ds) {
-  p = ok ? exp_full(fma(x, scale, -lse)) : T(0);
+  p = ok ? exp_full(scaled_logit(x, scale) - lse) : T(0);
   ds = ok ? p * (y - delta) : T(0);
 }
 

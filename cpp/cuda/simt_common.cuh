@@ -42,6 +42,17 @@ __device__ __forceinline__ double neg_inf<double>() {
   return -CUDART_INF;
 }
 
+// The scaled logit scale * q.k, rounded on its own (never contracted into a later subtraction).
+// The forward's running max, its P and the backward's recomputed P all start from this one
+// rounded value, so both passes see the same logits: a key that dominates its row has
+// logit == max == lse exactly and recomputes P = exp(0) = 1. With an fma, P would carry the
+// product's rounding residue (up to half an ulp of a logit, ~5e-4 at |logit| ~ 1e4) that the
+// f32 lse cannot represent, and every gradient of such a row would be off by that much.
+__device__ __forceinline__ float scaled_logit(float x, float scale) { return __fmul_rn(x, scale); }
+__device__ __forceinline__ double scaled_logit(double x, double scale) {
+  return __dmul_rn(x, scale);
+}
+
 __device__ __forceinline__ float exp_full(float x) { return expf(x); }
 __device__ __forceinline__ double exp_full(double x) { return exp(x); }
 __device__ __forceinline__ float log_full(float x) { return logf(x); }
