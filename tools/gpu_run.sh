@@ -42,13 +42,23 @@ for stage in "${stages[@]}"; do
       # The suite is dominated by compiling small programs, so it runs in 8 processes sharing the
       # GPU; each takes memory as it needs it instead of XLA's default 75% up front.
       XLA_PYTHON_CLIENT_PREALLOCATE=false run_stage test timeout "${TEST_TIMEOUT:-420}" \
-        python3 -m pytest -q -n 8 --durations=20 tests
+        python3 -m pytest -q -rs -n "${TEST_WORKERS:-8}" --durations=10 tests
       ;;
     sanitize)
       run_stage memcheck timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 \
         build/gpu/sanitize_cases
       run_stage racecheck timeout 150 compute-sanitizer --tool racecheck --error-exitcode 3 \
         build/gpu/sanitize_cases
+      ;;
+    bwd-check)
+      # The Hopper backward's driver alone; on a failure, memcheck over its correctness grid.
+      mkdir -p build
+      run_stage bwd-wgmma-build nvcc -std=c++17 -O3 -lineinfo -I cpp $gencode \
+        tools/bwd_wgmma_check.cu cpp/cuda/bwd_wgmma.cu cpp/cuda/sm90_host.cu \
+        -o build/bwd_wgmma_check &&
+        { run_stage bwd-wgmma timeout 90 build/bwd_wgmma_check ||
+          run_stage bwd-memcheck timeout 120 compute-sanitizer --tool memcheck \
+            --print-limit 20 build/bwd_wgmma_check --quick; }
       ;;
     kernel-checks)
       # Standalone drivers of the Hopper kernel families: correctness grid, then timings.
