@@ -175,7 +175,8 @@ __global__ void __launch_bounds__(FwdConfig<T, kCap>::kThreads)
 #pragma unroll
       for (int j = 0; j < kTN; ++j) {
         const int c = lane + j * kL;
-        if (c < n_rows && c <= r + diag) tile_max = fmax(tile_max, scaled_logit(s[i][j], scale));
+        s[i][j] = scaled_logit(s[i][j], scale);
+        if (c < n_rows && c <= r + diag) tile_max = fmax(tile_max, s[i][j]);
       }
       const T m_new = fmax(m_run[i], row_max<kL>(tile_max));
       const T m_ref = m_new == neg_inf<T>() ? T(0) : m_new;
@@ -188,7 +189,7 @@ __global__ void __launch_bounds__(FwdConfig<T, kCap>::kThreads)
       for (int j = 0; j < kTN; ++j) {
         const int c = lane + j * kL;
         const bool visible = c < n_rows && c <= r + diag;
-        const T pij = visible ? exp_full(scaled_logit(s[i][j], scale) - m_ref) : T(0);
+        const T pij = visible ? exp_full(s[i][j] - m_ref) : T(0);
         l_run[i] += pij;
         p_s[r * C::kPStride + c] = pij;
       }
@@ -254,13 +255,9 @@ __global__ void __launch_bounds__(FwdConfig<T, kCap>::kThreads)
         if (col < d) o_row[col] = o[i][ch * kV + f] * inv_l;
       }
     }
-    // lse is formed in double so that the stored value is rounded once: when one key dominates
-    // a row, log(l) is tiny and lse is exactly the row max. Two f32 roundings of a value near
-    // 1e3 would shift every recomputed P of the row by ~1e-4 relative in the backward pass.
     if (lane == 0) {
       lse_out[(b * p.heads_q + h) * p.seqlen_q + m0 + r] =
-          masked ? neg_inf<T>()
-                 : static_cast<T>(static_cast<double>(m_run[i]) + log(static_cast<double>(l)));
+          masked ? neg_inf<T>() : m_run[i] + log_full(l);
     }
   }
 }
