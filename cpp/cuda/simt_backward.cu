@@ -356,30 +356,8 @@ __global__ void __launch_bounds__(BwdConfig<T, kCap>::kThreads)
     __syncthreads();
 
     // dQ += dS K; padded keys have dS = 0 and zero-filled K rows.
-    const int n_lim = (n_rows + kV - 1) / kV * kV;
-#pragma unroll 1
-    for (int n = 0; n < n_lim; n += kV) {
-      Vec<T> da[kAR];
-#pragma unroll
-      for (int i = 0; i < kAR; ++i) da[i] = load_vec(ds_s + (acc_row0 + i) * C::kPStride + n);
-#pragma unroll
-      for (int e = 0; e < kV; ++e) {
-        const T* k_row = k_s + (n + e) * C::kStride + acc_lane * kV;
-#pragma unroll
-        for (int ch = 0; ch < C::kDimChunks; ++ch) {
-          if (ch * C::kChunkSpan < d) {
-            const Vec<T> vk = load_vec(k_row + ch * C::kChunkSpan);
-#pragma unroll
-            for (int i = 0; i < kAR; ++i) {
-#pragma unroll
-              for (int f = 0; f < kV; ++f) {
-                dq[i][ch * kV + f] = fma(da[i].v[e], vk.v[f], dq[i][ch * kV + f]);
-              }
-            }
-          }
-        }
-      }
-    }
+    accumulate_rows<T, kAR, C::kDimChunks, C::kChunkSpan, C::kPStride, C::kStride>(
+        dq, ds_s, k_s, acc_row0, acc_lane, (n_rows + kV - 1) / kV * kV, d);
     // The next step overwrites K, V and dS.
     __syncthreads();
   }

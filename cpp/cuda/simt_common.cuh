@@ -58,6 +58,42 @@ __device__ __forceinline__ double exp_full(double x) { return exp(x); }
 __device__ __forceinline__ float log_full(float x) { return logf(x); }
 __device__ __forceinline__ double log_full(double x) { return log(x); }
 
+// acc[i][ch * kVecN + f] += sum over n < n_lim of a[(row0 + i) * kAStride + n] *
+// b[n * kBStride + ch * kChunkSpan + lane * kVecN + f]: a thread's rows of a score tile (P or dS
+// in shared memory) times its head-dim columns of a row-major operand (V or K). n_lim is the key
+// count rounded up to the vector width: past the real count `a` holds 0 and `b` zero-filled rows,
+// so the padding adds exact zeros. Chunks at or past head_dim d are skipped.
+template <typename T, int kRowsPerThread, int kDimChunks, int kChunkSpan, int kAStride,
+          int kBStride>
+__device__ __forceinline__ void accumulate_rows(T (&acc)[kRowsPerThread][kDimChunks * kVec<T>],
+                                                const T* a, const T* b, int row0, int lane,
+                                                int n_lim, int d) {
+  constexpr int kV = kVec<T>;
+#pragma unroll 1
+  for (int n = 0; n < n_lim; n += kV) {
+    Vec<T> va[kRowsPerThread];
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) va[i] = load_vec(a + (row0 + i) * kAStride + n);
+#pragma unroll
+    for (int e = 0; e < kV; ++e) {
+      const T* b_row = b + (n + e) * kBStride + lane * kV;
+#pragma unroll
+      for (int ch = 0; ch < kDimChunks; ++ch) {
+        if (ch * kChunkSpan < d) {
+          const Vec<T> vb = load_vec(b_row + ch * kChunkSpan);
+#pragma unroll
+          for (int i = 0; i < kRowsPerThread; ++i) {
+#pragma unroll
+            for (int f = 0; f < kV; ++f) {
+              acc[i][ch * kV + f] = fma(va[i].v[e], vb.v[f], acc[i][ch * kV + f]);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // Head-dim capacity buckets: one instantiation per bucket sizes the shared tiles and register
 // accumulators; the actual head_dim is a runtime value inside the bucket.
 inline constexpr int kMaxHeadDim = 256;

@@ -203,30 +203,8 @@ __global__ void __launch_bounds__(FwdConfig<T, kCap>::kThreads)
 
     // O += P V. Keys past n_rows have P = 0 and zero-filled V rows, so rounding the trip count
     // up to a whole vector adds exact zeros.
-    const int n_lim = (n_rows + kV - 1) / kV * kV;
-#pragma unroll 1
-    for (int n = 0; n < n_lim; n += kV) {
-      Vec<T> pa[kTM];
-#pragma unroll
-      for (int i = 0; i < kTM; ++i) pa[i] = load_vec(p_s + (row0 + i) * C::kPStride + n);
-#pragma unroll
-      for (int e = 0; e < kV; ++e) {
-        const T* v_row = kv_s + (n + e) * C::kStride + lane * kV;
-#pragma unroll
-        for (int ch = 0; ch < C::kDimChunks; ++ch) {
-          if (ch * C::kChunkSpan < d) {
-            const Vec<T> vb = load_vec(v_row + ch * C::kChunkSpan);
-#pragma unroll
-            for (int i = 0; i < kTM; ++i) {
-#pragma unroll
-              for (int f = 0; f < kV; ++f) {
-                o[i][ch * kV + f] = fma(pa[i].v[e], vb.v[f], o[i][ch * kV + f]);
-              }
-            }
-          }
-        }
-      }
-    }
+    accumulate_rows<T, kTM, C::kDimChunks, C::kChunkSpan, C::kPStride, C::kStride>(
+        o, p_s, kv_s, row0, lane, (n_rows + kV - 1) / kV * kV, d);
     // The next iteration overwrites the shared V and P.
     __syncthreads();
   }
