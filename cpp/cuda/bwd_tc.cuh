@@ -14,7 +14,6 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -722,9 +721,9 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
 
-  if (dq_elems > 0) {
-    const cudaError_t err = cudaMemsetAsync(params.dq_accum, 0, dq_elems * sizeof(float), stream);
-    if (err != cudaSuccess) return err;
+  if (const cudaError_t err = zero_dq_accum(params.dq_accum, dq_elems, stream);
+      err != cudaSuccess) {
+    return err;
   }
 
   if (num_blocks > 0) {
@@ -760,17 +759,7 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
   }
 
-  if (dq_elems > 0) {
-    constexpr int kThreads = 256;
-    const int64_t n4 = dq_elems / 4;
-    const int64_t blocks = std::min<int64_t>((n4 + kThreads - 1) / kThreads, 65536);
-    dq_convert_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        reinterpret_cast<const float4*>(params.dq_accum), static_cast<T*>(params.dq), n4,
-        static_cast<float>(params.softmax_scale));
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+  return convert_dq<T>(params.dq_accum, params.dq, dq_elems, params.softmax_scale, stream);
 }
 
 // One explicit instantiation per (dtype, head_dim, causal) lives in bwd_tc_hdim{64,128,256}.cu;

@@ -2,7 +2,6 @@
 // dtype -> causal dispatch to the kernel instantiations and the dQ conversion.
 #include <cudaTypedefs.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -59,9 +58,8 @@ template <typename T, int kHeadDim, bool kCausal>
 cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
   using Tr = BwdWgmmaTraits<T, kHeadDim, kCausal>;
   const int64_t dq_elems = p.batch * p.seqlen_q * p.heads_q * Tr::kD;
-  if (dq_elems > 0) {
-    const cudaError_t err = cudaMemsetAsync(p.dq_accum, 0, dq_elems * sizeof(float), stream);
-    if (err != cudaSuccess) return err;
+  if (const cudaError_t err = zero_dq_accum(p.dq_accum, dq_elems, stream); err != cudaSuccess) {
+    return err;
   }
 
   const int64_t n_blocks = (p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN;
@@ -104,17 +102,7 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
     if (err != cudaSuccess) return err;
   }
 
-  if (dq_elems > 0) {
-    constexpr int kThreads = 256;
-    const int64_t n4 = dq_elems / 4;
-    const int64_t blocks = std::min<int64_t>((n4 + kThreads - 1) / kThreads, 65536);
-    dq_convert_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        reinterpret_cast<const float4*>(p.dq_accum), static_cast<T*>(p.dq), n4,
-        static_cast<float>(p.softmax_scale));
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+  return convert_dq<T>(p.dq_accum, p.dq, dq_elems, p.softmax_scale, stream);
 }
 
 template <typename T, int kHeadDim>
