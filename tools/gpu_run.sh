@@ -28,7 +28,26 @@ run_stage() {
   return "$rc"
 }
 
+# A standalone driver of a Hopper kernel family: build, run its correctness grid and timings, and
+# on a failure rerun its small grid under memcheck.
+kernel_check() {
+  local name=$1 driver=$2 kernel=$3
+  mkdir -p build
+  # shellcheck disable=SC2086
+  run_stage "$name-build" nvcc -std=c++17 -O3 -lineinfo -I cpp $gencode "$driver" "$kernel" \
+    cpp/cuda/sm90_host.cu -o "build/$name" &&
+    { run_stage "$name" timeout 120 "build/$name" ||
+      run_stage "$name-memcheck" timeout 120 compute-sanitizer --tool memcheck --print-limit 20 \
+        "build/$name" --quick; }
+}
+
+# kernel-checks stands for both drivers.
+expanded=()
 for stage in "${stages[@]}"; do
+  if [ "$stage" = kernel-checks ]; then expanded+=(fwd-check bwd-check); else expanded+=("$stage"); fi
+done
+
+for stage in "${expanded[@]}"; do
   case "$stage" in
     build)
       nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv
@@ -50,26 +69,8 @@ for stage in "${stages[@]}"; do
       run_stage racecheck timeout 150 compute-sanitizer --tool racecheck --error-exitcode 3 \
         build/gpu/sanitize_cases
       ;;
-    bwd-check)
-      # The Hopper backward's driver alone; on a failure, memcheck over its correctness grid.
-      mkdir -p build
-      run_stage bwd-wgmma-build nvcc -std=c++17 -O3 -lineinfo -I cpp $gencode \
-        tools/bwd_wgmma_check.cu cpp/cuda/bwd_wgmma.cu cpp/cuda/sm90_host.cu \
-        -o build/bwd_wgmma_check &&
-        { run_stage bwd-wgmma timeout 90 build/bwd_wgmma_check ||
-          run_stage bwd-memcheck timeout 120 compute-sanitizer --tool memcheck \
-            --print-limit 20 build/bwd_wgmma_check --quick; }
-      ;;
-    kernel-checks)
-      # Standalone drivers of the Hopper kernel families: correctness grid, then timings.
-      mkdir -p build
-      run_stage fwd-wgmma-build nvcc -std=c++17 -O3 -I cpp $gencode tools/wgmma_check.cu \
-        cpp/cuda/fwd_wgmma.cu cpp/cuda/sm90_host.cu -o build/wgmma_check &&
-        run_stage fwd-wgmma timeout 120 build/wgmma_check
-      run_stage bwd-wgmma-build nvcc -std=c++17 -O3 -I cpp $gencode tools/bwd_wgmma_check.cu \
-        cpp/cuda/bwd_wgmma.cu cpp/cuda/sm90_host.cu -o build/bwd_wgmma_check &&
-        run_stage bwd-wgmma timeout 120 build/bwd_wgmma_check
-      ;;
+    fwd-check) kernel_check fwd-wgmma tools/wgmma_check.cu cpp/cuda/fwd_wgmma.cu ;;
+    bwd-check) kernel_check bwd-wgmma tools/bwd_wgmma_check.cu cpp/cuda/bwd_wgmma.cu ;;
     bench-quick)
       run_stage bench python3 benchmarks/bench_attention.py --quick --time-limit 150 \
         --out "$out/bench"
