@@ -384,22 +384,9 @@ cudaError_t launch_bwd(const BwdParams& params, cudaStream_t stream) {
 }  // namespace simt
 
 cudaError_t bwd_simt(const BwdParams& params, DType dtype, cudaStream_t stream) {
-  if (!simt::valid_shape(params.batch, params.seqlen_q, params.seqlen_k, params.heads_q,
-                         params.heads_kv, params.head_dim)) {
-    return cudaErrorInvalidValue;
-  }
-  switch (dtype) {
-    case DType::kF32:
-      return simt::dispatch_head_dim(params.head_dim, [&](auto cap) {
-        return simt::launch_bwd<float, decltype(cap)::value>(params, stream);
-      });
-    case DType::kF64:
-      return simt::dispatch_head_dim(params.head_dim, [&](auto cap) {
-        return simt::launch_bwd<double, decltype(cap)::value>(params, stream);
-      });
-    default:
-      return cudaErrorInvalidValue;
-  }
+  return simt::dispatch(params, dtype, [&](auto zero, auto cap) {
+    return simt::launch_bwd<decltype(zero), decltype(cap)::value>(params, stream);
+  });
 }
 
 }  // namespace jax_flash::cuda

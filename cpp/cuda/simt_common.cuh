@@ -221,6 +221,27 @@ cudaError_t dispatch_head_dim(int64_t head_dim, Fn&& fn) {
   return cudaErrorInvalidValue;
 }
 
+// Entry-point dispatch of the forward and the backward (Params is FwdParams or BwdParams): checks
+// the shape, then calls fn(T{}, std::integral_constant<int, kCap>{}) for the element type T
+// (float or double) and the capacity bucket of head_dim.
+template <typename Params, typename Fn>
+cudaError_t dispatch(const Params& p, DType dtype, Fn&& fn) {
+  if (!valid_shape(p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.head_dim)) {
+    return cudaErrorInvalidValue;
+  }
+  const auto by_head_dim = [&](auto zero) {
+    return dispatch_head_dim(p.head_dim, [&](auto cap) { return fn(zero, cap); });
+  };
+  switch (dtype) {
+    case DType::kF32:
+      return by_head_dim(0.0f);
+    case DType::kF64:
+      return by_head_dim(0.0);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
 // One block per tile on a 1-D grid (gridDim.x allows 2^31 - 1, unlike y and z); an empty grid
 // launches nothing. Every launch raises the kernel's dynamic shared-memory limit, which is a
 // per-function attribute of the current device and so is not cached across calls, and asks for
