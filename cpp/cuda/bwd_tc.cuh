@@ -175,17 +175,6 @@ __device__ __forceinline__ uint4 ld_shared_b128(uint32_t addr) {
   return v;
 }
 
-// Fire-and-forget fp32 reduction of two adjacent floats into global memory: Hopper has a
-// 2-wide vector form, which halves the number of reduction messages for dQ.
-__device__ __forceinline__ void red_add_f32x2(float* gmem, float a, float b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(gmem), "f"(a), "f"(b) : "memory");
-#else
-  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(gmem), "f"(a) : "memory");
-  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(gmem + 1), "f"(b) : "memory");
-#endif
-}
-
 // ---------------------------------------------------------------------------------------------
 // Shared-memory tiles
 
@@ -218,17 +207,6 @@ __device__ __forceinline__ void load_tile(uint32_t tile, const T* gmem, int64_t 
 
 // ---------------------------------------------------------------------------------------------
 // Warp-level GEMM
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
 
 // Moves a lane's ldmatrix address in a swizzled tile by d_rows rows (a multiple of 8, so the
 // swizzle pattern is unchanged) and d_chunks 16-byte chunks, both compile-time after unrolling.
@@ -280,9 +258,9 @@ struct WarpGemm {
 #pragma unroll
     for (int i = 0; i < kMi; ++i) {
       if constexpr (kATrans) {
-        ldsm_x4_trans(a[i], swz_step<kACols>(addr, ks * 16, i * 2));
+        tc::ldmatrix_x4_trans(a[i], swz_step<kACols>(addr, ks * 16, i * 2));
       } else {
-        ldsm_x4(a[i], swz_step<kACols>(addr, i * 16, ks * 2));
+        tc::ldmatrix_x4(a[i], swz_step<kACols>(addr, i * 16, ks * 2));
       }
     }
   }
@@ -292,9 +270,9 @@ struct WarpGemm {
     for (int j = 0; j < kNi; j += 2) {
       uint32_t r[4];
       if constexpr (kBTrans) {
-        ldsm_x4_trans(r, swz_step<kBCols>(addr, ks * 16, j));
+        tc::ldmatrix_x4_trans(r, swz_step<kBCols>(addr, ks * 16, j));
       } else {
-        ldsm_x4(r, swz_step<kBCols>(addr, j * 8, ks * 2));
+        tc::ldmatrix_x4(r, swz_step<kBCols>(addr, j * 8, ks * 2));
       }
       b[j][0] = r[0];
       b[j][1] = r[1];
@@ -662,7 +640,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
               float* dst = dq_tile + r * q_row_stride + dq_n0 + (lane & 3) * 2;
 #pragma unroll
               for (int j = 0; j < dQ::kNi; ++j) {
-                red_add_f32x2(dst + j * 8, acc_dq[i][j][2 * h], acc_dq[i][j][2 * h + 1]);
+                tc::red_add_f32x2(dst + j * 8, acc_dq[i][j][2 * h], acc_dq[i][j][2 * h + 1]);
               }
             }
           }

@@ -1,8 +1,5 @@
 // Host side of the Hopper wgmma backward: checks, TMA tensor maps, dq_accum zeroing, the
 // dtype -> causal dispatch to the kernel instantiations and the dQ conversion.
-#include <cudaTypedefs.h>
-
-#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -14,23 +11,16 @@
 namespace jax_flash::cuda {
 namespace {
 
+using sm90::aligned;
 using sm90::BwdWgmmaArgs;
 using sm90::BwdWgmmaTraits;
 using sm90::current_device_is_sm90;
 using sm90::encode_bshd;
 
-bool aligned(const void* ptr, uintptr_t bytes) {
-  return (reinterpret_cast<uintptr_t>(ptr) & (bytes - 1)) == 0;
-}
-
 bool params_supported(const BwdParams& p, DType dtype) {
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
-  if (dtype != DType::kF16 && dtype != DType::kBF16) return false;
+  if (!sm90::common_params_supported(p, dtype)) return false;
   if (p.head_dim != 64 && p.head_dim != 128) return false;
-  if (p.batch < 0 || p.seqlen_q < 0 || p.seqlen_k < 0 || p.heads_q <= 0 || p.heads_kv <= 0) {
-    return false;
-  }
-  if (p.heads_q % p.heads_kv != 0) return false;
   // Positions (plus one tile) and head indices are int inside the kernel.
   if (p.batch > kIntMax || p.seqlen_q > kIntMax - 1024 || p.seqlen_k > kIntMax - 1024 ||
       p.heads_q > kIntMax) {
@@ -40,7 +30,6 @@ bool params_supported(const BwdParams& p, DType dtype) {
   const int64_t m_blocks = (p.seqlen_q + 63) / 64;
   if (n_blocks * p.heads_kv * p.batch > kIntMax) return false;
   if (m_blocks * (p.heads_q / p.heads_kv) > kIntMax) return false;
-  if (!(std::isfinite(p.softmax_scale) && p.softmax_scale > 0.0)) return false;
   const bool empty = p.batch == 0 || p.seqlen_q == 0 || p.seqlen_k == 0;
   if (empty) return true;
   if (!p.q || !p.k || !p.v || !p.dout || !p.lse || !p.delta || !p.dq || !p.dk || !p.dv ||
@@ -64,13 +53,11 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
 
   const int64_t n_blocks = (p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN;
   const int64_t grid = n_blocks * p.heads_kv * p.batch;
-  // With seqlen_q = 0 the kernel still runs to write zero dK and dV; its Q / dO maps then need a
-  // nonzero (never read) length.
+  // With seqlen_q = 0 the kernel still runs to write zero dK and dV; its Q / dO maps go unread.
   if (grid > 0) {
-    const int64_t q_len = p.seqlen_q > 0 ? p.seqlen_q : 1;
     CUtensorMap tm_q, tm_k, tm_v, tm_do;
-    if (!encode_bshd(&tm_q, type, p.q, p.batch, q_len, p.heads_q, Tr::kD, Tr::kBlockM) ||
-        !encode_bshd(&tm_do, type, p.dout, p.batch, q_len, p.heads_q, Tr::kD, Tr::kBlockM) ||
+    if (!encode_bshd(&tm_q, type, p.q, p.batch, p.seqlen_q, p.heads_q, Tr::kD, Tr::kBlockM) ||
+        !encode_bshd(&tm_do, type, p.dout, p.batch, p.seqlen_q, p.heads_q, Tr::kD, Tr::kBlockM) ||
         !encode_bshd(&tm_k, type, p.k, p.batch, p.seqlen_k, p.heads_kv, Tr::kD, Tr::kBlockN) ||
         !encode_bshd(&tm_v, type, p.v, p.batch, p.seqlen_k, p.heads_kv, Tr::kD, Tr::kBlockN)) {
       return cudaErrorInvalidValue;

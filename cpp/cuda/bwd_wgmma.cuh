@@ -142,11 +142,6 @@ __device__ __forceinline__ void wgmma_ss_n64_trans(float (&d)[32], uint64_t desc
 #undef BW_WGMMA_TT64
 #undef BW_F8
 
-// Two consecutive floats added to global memory in one reduction (sm_90 vector red).
-__device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
-}
-
 #endif  // JAX_FLASH_SM90A
 
 // Warpgroup 0 is the producer (only its warp 0 works), warpgroups 1 and 2 the consumers.
@@ -327,21 +322,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
       // S^T = K Q^T and dP^T = V dO^T over the head dimension, 16 columns per wgmma.
       wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < kD / 16; ++k) {
-        const uint32_t within = (k % 4) * 32;
-        wgmma_ss<kBlockM, T>(s, desc_advance(k_desc, (k / 4) * Tr::kKVPanelBytes + within),
-                             desc_advance(q_desc, (k / 4) * Tr::kQPanelBytes + within),
-                             k > 0 ? 1u : 0u);
-      }
+      wgmma_ss_kmajor<kBlockM, kD, Tr::kKVPanelBytes, Tr::kQPanelBytes, T>(s, k_desc, q_desc);
       wgmma_commit();
-#pragma unroll
-      for (int k = 0; k < kD / 16; ++k) {
-        const uint32_t within = (k % 4) * 32;
-        wgmma_ss<kBlockM, T>(dp, desc_advance(v_desc, (k / 4) * Tr::kKVPanelBytes + within),
-                             desc_advance(do_desc, (k / 4) * Tr::kQPanelBytes + within),
-                             k > 0 ? 1u : 0u);
-      }
+      wgmma_ss_kmajor<kBlockM, kD, Tr::kKVPanelBytes, Tr::kQPanelBytes, T>(dp, v_desc, do_desc);
       wgmma_commit();
 
       // P^T: accumulator element 4i + 2r + e is (key row g + 8r, query column 8i + 2t + e).
@@ -372,10 +355,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // dV += P^T dO over the tile's queries, 16 per wgmma, with dO as the MN-major B operand
       // (head_dim contiguous, as V in the forward's O += P V); it runs under the dS math below.
       wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < kBlockM / 16; ++k) {
-        wgmma_rs<kD, T>(dv, p[k], desc_advance(do_mn_desc, k * 16 * Tr::kRowBytes), 1u);
-      }
+      wgmma_rs_mn<kD, kBlockM / 16, T>(dv, p, do_mn_desc);
       wgmma_commit();
 
       // dS^T = P^T (dP^T - delta), delta broadcast along the key rows. Groups retire in order:
@@ -395,10 +375,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
       // dK += dS^T Q, Q as the MN-major B operand.
       wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < kBlockM / 16; ++k) {
-        wgmma_rs<kD, T>(dk, ds[k], desc_advance(q_mn_desc, k * 16 * Tr::kRowBytes), 1u);
-      }
+      wgmma_rs_mn<kD, kBlockM / 16, T>(dk, ds, q_mn_desc);
       wgmma_commit();
 
       // dS^T to shared memory: key row kr of the 128-key tile, query pair (8i + 2t, +1) in chunk i
@@ -458,7 +435,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                               args.heads_q * int64_t{kD};
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
-            red_add_v2(dq_row + 8 * i, dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+            tc::red_add_f32x2(dq_row + 8 * i, dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
           }
         }
       }

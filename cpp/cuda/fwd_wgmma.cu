@@ -1,8 +1,5 @@
 // Host side of the Hopper wgmma forward: checks, TMA tensor maps and the dtype -> head_dim ->
 // causal dispatch to the kernel instantiations.
-#include <cudaTypedefs.h>
-
-#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -13,40 +10,32 @@
 namespace jax_flash::cuda {
 namespace {
 
+using sm90::aligned;
 using sm90::current_device_is_sm90;
 using sm90::encode_bshd;
 using sm90::FwdWgmmaArgs;
 using sm90::FwdWgmmaTraits;
 
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
-
 bool params_supported(const FwdParams& p, DType dtype) {
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
-  if (dtype != DType::kF16 && dtype != DType::kBF16) return false;
+  if (!sm90::common_params_supported(p, dtype)) return false;
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return false;
-  if (p.batch < 0 || p.seqlen_q < 0 || p.seqlen_k < 0 || p.heads_q <= 0 || p.heads_kv <= 0) {
-    return false;
-  }
-  if (p.heads_q % p.heads_kv != 0) return false;
   if (p.batch > kIntMax || p.seqlen_q > kIntMax || p.seqlen_k > kIntMax || p.heads_q > kIntMax) {
     return false;
   }
   // 128 is the smallest query tile of the family, so this bounds every grid.
   const int64_t m_blocks = (p.seqlen_q + 127) / 128;
   if (m_blocks * p.heads_q * p.batch > kIntMax) return false;
-  if (!(std::isfinite(p.softmax_scale) && p.softmax_scale > 0.0)) return false;
-  return aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.o);
+  return aligned(p.q, 16) && aligned(p.k, 16) && aligned(p.v, 16) && aligned(p.o, 16);
 }
 
 template <typename T, int kHeadDim, bool kCausal, bool kLongKeys>
 cudaError_t launch(const FwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
   using Tr = FwdWgmmaTraits<T, kHeadDim, kCausal, kLongKeys>;
-  // A zero-length key axis still needs valid (never read) K/V maps.
-  const int64_t kv_len = p.seqlen_k > 0 ? p.seqlen_k : 1;
   CUtensorMap tm_q, tm_k, tm_v, tm_o;
   if (!encode_bshd(&tm_q, type, p.q, p.batch, p.seqlen_q, p.heads_q, kHeadDim, Tr::kBlockM) ||
-      !encode_bshd(&tm_k, type, p.k, p.batch, kv_len, p.heads_kv, kHeadDim, Tr::kBlockN) ||
-      !encode_bshd(&tm_v, type, p.v, p.batch, kv_len, p.heads_kv, kHeadDim, Tr::kBlockN) ||
+      !encode_bshd(&tm_k, type, p.k, p.batch, p.seqlen_k, p.heads_kv, kHeadDim, Tr::kBlockN) ||
+      !encode_bshd(&tm_v, type, p.v, p.batch, p.seqlen_k, p.heads_kv, kHeadDim, Tr::kBlockN) ||
       !encode_bshd(&tm_o, type, p.o, p.batch, p.seqlen_q, p.heads_q, kHeadDim,
                    Tr::kBlockM / Tr::kConsumerWarpgroups)) {
     return cudaErrorInvalidValue;

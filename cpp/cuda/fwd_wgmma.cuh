@@ -509,30 +509,44 @@ __device__ __forceinline__ void convert_p(const float (&s)[kBlockN / 2],
   }
 }
 
-// S = Q K^T over the head dimension, 16 columns per wgmma. q_desc covers this warpgroup's 64 Q
-// rows, k_desc the K tile; both advance 32 bytes inside a 128-byte row, then jump a panel.
-template <class Tr>
-__device__ __forceinline__ void issue_qk(float (&s)[Tr::kBlockN / 2], uint64_t q_desc,
-                                         uint64_t k_desc) {
+// acc = A B^T over kD columns, A and B K-major in 128-byte-swizzled panels of kAPanel / kBPanel
+// bytes: 16 columns per wgmma, the descriptors advance 32 bytes inside a 128-byte row, then jump a
+// panel. S = Q K^T here; S^T = K Q^T and dP^T = V dO^T in the backward.
+template <int kN, int kD, int kAPanel, int kBPanel, typename T>
+__device__ __forceinline__ void wgmma_ss_kmajor(float (&acc)[kN / 2], uint64_t a_desc,
+                                                uint64_t b_desc) {
 #pragma unroll
-  for (int k = 0; k < Tr::kD / 16; ++k) {
+  for (int k = 0; k < kD / 16; ++k) {
     const uint32_t within = (k % 4) * 32;
-    wgmma_ss<Tr::kBlockN, typename Tr::Element>(
-        s, desc_advance(q_desc, (k / 4) * Tr::kQPanelBytes + within),
-        desc_advance(k_desc, (k / 4) * Tr::kKVPanelBytes + within), k > 0 ? 1u : 0u);
+    wgmma_ss<kN, T>(acc, desc_advance(a_desc, (k / 4) * kAPanel + within),
+                    desc_advance(b_desc, (k / 4) * kBPanel + within), k > 0 ? 1u : 0u);
   }
 }
 
-// O += P V over the keys of the tile, 16 keys (16 rows of 128 bytes in every panel) per wgmma.
+// acc += A B over kSteps * 16 reduction rows: A from registers (one fragment per k16 step), B
+// MN-major, advancing 16 rows of 128 bytes per wgmma. O += P V here; dV += P^T dO and
+// dK += dS^T Q in the backward.
+template <int kN, int kSteps, typename T>
+__device__ __forceinline__ void wgmma_rs_mn(float (&acc)[kN / 2], const uint32_t (&a)[kSteps][4],
+                                            uint64_t b_desc) {
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+    wgmma_rs<kN, T>(acc, a[k], desc_advance(b_desc, k * 16 * 128), 1u);
+  }
+}
+
+// S = Q K^T for this warpgroup's 64 Q rows and the K tile; O += P V over the keys of the tile.
+template <class Tr>
+__device__ __forceinline__ void issue_qk(float (&s)[Tr::kBlockN / 2], uint64_t q_desc,
+                                         uint64_t k_desc) {
+  wgmma_ss_kmajor<Tr::kBlockN, Tr::kD, Tr::kQPanelBytes, Tr::kKVPanelBytes, typename Tr::Element>(
+      s, q_desc, k_desc);
+}
 template <class Tr>
 __device__ __forceinline__ void issue_pv(float (&o)[Tr::kD / 2],
                                          const uint32_t (&p)[Tr::kBlockN / 16][4],
                                          uint64_t v_desc) {
-#pragma unroll
-  for (int k = 0; k < Tr::kBlockN / 16; ++k) {
-    wgmma_rs<Tr::kD, typename Tr::Element>(o, p[k], desc_advance(v_desc, k * 16 * Tr::kRowBytes),
-                                           1u);
-  }
+  wgmma_rs_mn<Tr::kD, Tr::kBlockN / 16, typename Tr::Element>(o, p, v_desc);
 }
 
 #endif  // JAX_FLASH_SM90A

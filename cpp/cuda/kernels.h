@@ -8,9 +8,8 @@
 
 namespace jax_flash::cuda {
 
-// Tensor-core path, DType::kF16 / kBF16. head_dim must be one of kTensorCoreHeadDims (the Python
-// layer zero-pads other head dims up to the next one). Returns cudaErrorInvalidValue otherwise.
-inline constexpr int kTensorCoreHeadDims[] = {64, 128, 256};
+// Tensor-core path, DType::kF16 / kBF16. head_dim must be 64, 128 or 256 (the Python layer
+// zero-pads other head dims up to the next one). Returns cudaErrorInvalidValue otherwise.
 cudaError_t fwd_tensor_core(const FwdParams& params, DType dtype, cudaStream_t stream);
 // Needs params.dq_accum (zeroed inside, on the stream).
 cudaError_t bwd_tensor_core(const BwdParams& params, DType dtype, cudaStream_t stream);

@@ -53,6 +53,7 @@ bool encode_bshd(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, in
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   constexpr int64_t kElemBytes = 2;
+  if (seqlen == 0) seqlen = 1;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
                               static_cast<cuuint64_t>(seqlen), static_cast<cuuint64_t>(batch)};
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_dim * kElemBytes),

@@ -5,16 +5,35 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
+
+#include "common/params.h"
 
 namespace jax_flash::cuda::sm90 {
 
 // True when the current device has compute capability 9.0 (read once per device).
 bool current_device_is_sm90();
 
+// Checks both Hopper families share: f16/bf16, non-negative batch and lengths, positive head counts
+// with heads_q a multiple of heads_kv, and a finite positive softmax scale.
+template <typename Params>
+bool common_params_supported(const Params& p, DType dtype) {
+  if (dtype != DType::kF16 && dtype != DType::kBF16) return false;
+  if (p.batch < 0 || p.seqlen_q < 0 || p.seqlen_k < 0 || p.heads_q <= 0 || p.heads_kv <= 0) {
+    return false;
+  }
+  return p.heads_q % p.heads_kv == 0 && std::isfinite(p.softmax_scale) && p.softmax_scale > 0.0;
+}
+
+inline bool aligned(const void* ptr, uintptr_t bytes) {
+  return (reinterpret_cast<uintptr_t>(ptr) & (bytes - 1)) == 0;
+}
+
 // A [batch, seqlen, heads, head_dim] 16-bit tensor as a 4-D TMA map (innermost first), read or
 // written in boxes of 64 head-dim columns (one 128-byte swizzle span) x `box_rows` sequence
-// positions of one head. Rows past seqlen read as zeros and are not written. False on failure.
+// positions of one head. Rows past seqlen read as zeros and are not written. A zero seqlen is
+// encoded as 1 (TMA dims must be nonzero): callers never load such a map. False on failure.
 bool encode_bshd(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, int64_t batch,
                  int64_t seqlen, int64_t heads, int64_t head_dim, int box_rows);
 
