@@ -253,10 +253,9 @@ struct Shape {
   }
 };
 
-inline Shape MakeShape(const FwdParams& p) {
-  return {p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.head_dim, p.causal};
-}
-inline Shape MakeShape(const BwdParams& p) {
+// P is FwdParams or BwdParams, which name their sizes alike.
+template <class P>
+inline Shape MakeShape(const P& p) {
   return {p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.head_dim, p.causal};
 }
 
@@ -745,6 +744,35 @@ void BackwardRows(const BwdParams& p, const Shape& shape, const GroupOffsets& at
   }
 }
 
+// Runs a pass whose split blocks combine by plain summation (both backward passes; the forward
+// merge rescales instead). compute(task, out) fills out[0, size) with the task's result, the whole
+// block's when unsplit and its piece's otherwise; write(task, total) stores a block's result.
+template <class T, class Compute, class Write>
+void RunSummed(const Schedule& sched, int64_t heads_kv, int64_t size,
+               const ParallelFor& parallel_for, Compute compute, Write write) {
+  // Partial results of split blocks, [outer block][piece]; see the note at the top.
+  std::vector<T> partials(sched.splits > 1 ? sched.Tasks() * size : 0);
+  parallel_for(sched.Tasks(), [&](int64_t t) {
+    const Schedule::Task task = sched.Decode(t, heads_kv);
+    std::vector<T> own(sched.splits > 1 ? 0 : static_cast<size_t>(size));
+    T* out = sched.splits > 1 ? partials.data() + sched.Slot(task) * size : own.data();
+    compute(task, out);
+    if (sched.splits == 1) write(task, out);
+  });
+  if (sched.splits == 1) return;
+
+  parallel_for(sched.Outer(), [&](int64_t outer) {
+    const Schedule::Task task = sched.Decode(outer * sched.splits, heads_kv);
+    T* first = partials.data() + sched.Slot(task) * size;
+    // Fixed piece order: float addition is not associative, and gradients must be deterministic.
+    for (int64_t s = 1; s < sched.splits; ++s) {
+      const T* piece = first + s * size;
+      for (int64_t i = 0; i < size; ++i) first[i] += piece[i];
+    }
+    write(task, first);
+  });
+}
+
 template <class T, class S>
 void Backward(const BwdParams& p, const ParallelFor& parallel_for) {
   const Shape shape = MakeShape(p);
@@ -758,9 +786,19 @@ void Backward(const BwdParams& p, const ParallelFor& parallel_for) {
   // Pass 1: dK and dV, one task per key block (and piece of its row tiles).
   {
     const Schedule sched(heads, key_tiles, row_tiles);
-    const int64_t grad_size = 2 * kKeyTile * d_pad;
-    std::vector<T> partials(sched.splits > 1 ? sched.Tasks() * grad_size : 0);
-    const auto write = [&](const Schedule::Task& task, const T* dk, const T* dv) {
+    const int64_t grad_size = 2 * kKeyTile * d_pad;  // dK, then dV
+    const auto compute = [&](const Schedule::Task& task, T* grads) {
+      const GroupOffsets at(shape, task.b, task.hk);
+      const int64_t key0 = task.block * kKeyTile;
+      const int64_t keys = std::min(kKeyTile, shape.seqlen_k - key0);
+      const auto [tile_begin, tile_end] =
+          sched.Piece(task.split, shape.FirstRow(key0) / kRowTile, row_tiles);
+      BackwardKeys<T, S>(p, shape, at, key0, keys, tile_begin, tile_end, grads,
+                         grads + kKeyTile * d_pad);
+    };
+    const auto write = [&](const Schedule::Task& task, const T* grads) {
+      const T* dk = grads;
+      const T* dv = grads + kKeyTile * d_pad;
       const int64_t key0 = task.block * kKeyTile;
       const int64_t keys = std::min(kKeyTile, shape.seqlen_k - key0);
       const int64_t offset = GroupOffsets(shape, task.b, task.hk).keys + key0 * kv_ld;
@@ -773,38 +811,22 @@ void Backward(const BwdParams& p, const ParallelFor& parallel_for) {
         }
       }
     };
-    parallel_for(sched.Tasks(), [&](int64_t t) {
-      const Schedule::Task task = sched.Decode(t, shape.heads_kv);
-      const GroupOffsets at(shape, task.b, task.hk);
-      const int64_t key0 = task.block * kKeyTile;
-      const int64_t keys = std::min(kKeyTile, shape.seqlen_k - key0);
-      const auto [tile_begin, tile_end] =
-          sched.Piece(task.split, shape.FirstRow(key0) / kRowTile, row_tiles);
-      std::vector<T> own(sched.splits > 1 ? 0 : static_cast<size_t>(grad_size));
-      T* grads = sched.splits > 1 ? partials.data() + sched.Slot(task) * grad_size : own.data();
-      BackwardKeys<T, S>(p, shape, at, key0, keys, tile_begin, tile_end, grads,
-                         grads + kKeyTile * d_pad);
-      if (sched.splits == 1) write(task, grads, grads + kKeyTile * d_pad);
-    });
-    if (sched.splits > 1) {
-      parallel_for(sched.Outer(), [&](int64_t outer) {
-        const Schedule::Task task = sched.Decode(outer * sched.splits, shape.heads_kv);
-        T* first = partials.data() + sched.Slot(task) * grad_size;
-        for (int64_t s = 1; s < sched.splits; ++s) {
-          const T* piece = first + s * grad_size;
-          for (int64_t i = 0; i < grad_size; ++i) first[i] += piece[i];
-        }
-        write(task, first, first + kKeyTile * d_pad);
-      });
-    }
+    RunSummed<T>(sched, shape.heads_kv, grad_size, parallel_for, compute, write);
   }
 
   // Pass 2: dQ, one task per row block (and piece of its key tiles).
   {
     const Schedule sched(heads, row_tiles, key_tiles);
     const int64_t grad_size = d_dim * kRowTile;
-    std::vector<T> partials(sched.splits > 1 ? sched.Tasks() * grad_size : 0);
     const T scale = static_cast<T>(p.softmax_scale);
+    const auto compute = [&](const Schedule::Task& task, T* dqt) {
+      const GroupOffsets at(shape, task.b, task.hk);
+      const int64_t r0 = task.block * kRowTile;
+      const int64_t rows = std::min(kRowTile, shape.Rows() - r0);
+      const auto [tile_begin, tile_end] =
+          sched.Piece(task.split, 0, CeilDiv(shape.KeyEnd(r0 + rows), kKeyTile));
+      BackwardRows<T, S>(p, shape, at, r0, rows, tile_begin, tile_end, dqt);
+    };
     const auto write = [&](const Schedule::Task& task, const T* dqt) {
       const int64_t r0 = task.block * kRowTile;
       const int64_t rows = std::min(kRowTile, shape.Rows() - r0);
@@ -814,29 +836,7 @@ void Backward(const BwdParams& p, const ParallelFor& parallel_for) {
         for (int64_t d = 0; d < d_dim; ++d) Store(out + d, dqt[d * kRowTile + r] * scale);
       }
     };
-    parallel_for(sched.Tasks(), [&](int64_t t) {
-      const Schedule::Task task = sched.Decode(t, shape.heads_kv);
-      const GroupOffsets at(shape, task.b, task.hk);
-      const int64_t r0 = task.block * kRowTile;
-      const int64_t rows = std::min(kRowTile, shape.Rows() - r0);
-      const auto [tile_begin, tile_end] =
-          sched.Piece(task.split, 0, CeilDiv(shape.KeyEnd(r0 + rows), kKeyTile));
-      std::vector<T> own(sched.splits > 1 ? 0 : static_cast<size_t>(grad_size));
-      T* dqt = sched.splits > 1 ? partials.data() + sched.Slot(task) * grad_size : own.data();
-      BackwardRows<T, S>(p, shape, at, r0, rows, tile_begin, tile_end, dqt);
-      if (sched.splits == 1) write(task, dqt);
-    });
-    if (sched.splits > 1) {
-      parallel_for(sched.Outer(), [&](int64_t outer) {
-        const Schedule::Task task = sched.Decode(outer * sched.splits, shape.heads_kv);
-        T* first = partials.data() + sched.Slot(task) * grad_size;
-        for (int64_t s = 1; s < sched.splits; ++s) {
-          const T* piece = first + s * grad_size;
-          for (int64_t i = 0; i < grad_size; ++i) first[i] += piece[i];
-        }
-        write(task, first);
-      });
-    }
+    RunSummed<T>(sched, shape.heads_kv, grad_size, parallel_for, compute, write);
   }
 }
 

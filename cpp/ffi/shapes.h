@@ -95,35 +95,33 @@ inline ffi::Error expect_buffer(const ffi::AnyBuffer& b, ffi::DataType type, int
   return ffi::Error::Success();
 }
 
-// A decoded forward call: the params for the launcher and the element type to dispatch on.
-struct FwdCall {
-  FwdParams params;
+// A decoded call: the params for the launcher and the element type to dispatch on.
+template <class P>
+struct Call {
+  P params;
   DType dtype;
 };
+using FwdCall = Call<FwdParams>;
+// params.dq_accum is left null for the caller to fill where needed.
+using BwdCall = Call<BwdParams>;
 
-inline ffi::ErrorOr<FwdCall> decode_fwd(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
-                                        const ffi::AnyBuffer& v, ffi::AnyBuffer o,
-                                        ffi::AnyBuffer lse, double softmax_scale, bool causal) {
+// What decode_fwd and decode_bwd share: checks q, k, v and their element type, and fills the
+// fields FwdParams and BwdParams have in common. The output buffers are the caller's.
+template <class P>
+inline ffi::ErrorOr<Call<P>> decode_inputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                           const ffi::AnyBuffer& v, double softmax_scale,
+                                           bool causal) {
   auto dims = attention_dims(q, k, v);
   if (dims.has_error()) return ffi::Unexpected(dims.error());
   auto dtype = to_dtype(q.element_type());
   if (dtype.has_error()) return ffi::Unexpected(dtype.error());
   const AttentionDims& d = *dims;
-  const int64_t rows = d.batch * d.heads_q * d.seqlen_q;
-  if (auto e = expect_buffer(o, q.element_type(), rows * d.head_dim, "out"); e.failure()) {
-    return ffi::Unexpected(e);
-  }
-  if (auto e = expect_buffer(lse, stats_type(*dtype), rows, "lse"); e.failure()) {
-    return ffi::Unexpected(e);
-  }
-  FwdCall call{};
+  Call<P> call{};
   call.dtype = *dtype;
-  FwdParams& p = call.params;
+  P& p = call.params;
   p.q = q.untyped_data();
   p.k = k.untyped_data();
   p.v = v.untyped_data();
-  p.o = o.untyped_data();
-  p.lse = lse.untyped_data();
   p.batch = d.batch;
   p.seqlen_q = d.seqlen_q;
   p.seqlen_k = d.seqlen_k;
@@ -135,40 +133,42 @@ inline ffi::ErrorOr<FwdCall> decode_fwd(const ffi::AnyBuffer& q, const ffi::AnyB
   return call;
 }
 
-// A decoded backward call; params.dq_accum is left null for the caller to fill where needed.
-struct BwdCall {
-  BwdParams params;
-  DType dtype;
-};
+inline ffi::ErrorOr<FwdCall> decode_fwd(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                        const ffi::AnyBuffer& v, ffi::AnyBuffer o,
+                                        ffi::AnyBuffer lse, double softmax_scale, bool causal) {
+  auto call = decode_inputs<FwdParams>(q, k, v, softmax_scale, causal);
+  if (call.has_error()) return ffi::Unexpected(call.error());
+  FwdParams& p = call->params;
+  const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
+  for (ffi::Error e : {expect_buffer(o, q.element_type(), rows * p.head_dim, "out"),
+                       expect_buffer(lse, stats_type(call->dtype), rows, "lse")}) {
+    if (e.failure()) return ffi::Unexpected(e);
+  }
+  p.o = o.untyped_data();
+  p.lse = lse.untyped_data();
+  return call;
+}
 
 inline ffi::ErrorOr<BwdCall> decode_bwd(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                                         const ffi::AnyBuffer& v, const ffi::AnyBuffer& dout,
                                         const ffi::AnyBuffer& lse, const ffi::AnyBuffer& delta,
                                         ffi::AnyBuffer dq, ffi::AnyBuffer dk, ffi::AnyBuffer dv,
                                         double softmax_scale, bool causal) {
-  auto dims = attention_dims(q, k, v);
-  if (dims.has_error()) return ffi::Unexpected(dims.error());
-  auto dtype = to_dtype(q.element_type());
-  if (dtype.has_error()) return ffi::Unexpected(dtype.error());
-  const AttentionDims& d = *dims;
+  auto call = decode_inputs<BwdParams>(q, k, v, softmax_scale, causal);
+  if (call.has_error()) return ffi::Unexpected(call.error());
+  BwdParams& p = call->params;
   const ffi::DataType elem = q.element_type();
-  const int64_t q_elems = d.batch * d.seqlen_q * d.heads_q * d.head_dim;
-  const int64_t kv_elems = d.batch * d.seqlen_k * d.heads_kv * d.head_dim;
-  const int64_t rows = d.batch * d.heads_q * d.seqlen_q;
+  const int64_t q_elems = p.batch * p.seqlen_q * p.heads_q * p.head_dim;
+  const int64_t kv_elems = p.batch * p.seqlen_k * p.heads_kv * p.head_dim;
+  const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
   for (ffi::Error e :
        {expect_buffer(dout, elem, q_elems, "dout"),
-        expect_buffer(lse, stats_type(*dtype), rows, "lse"),
-        expect_buffer(delta, stats_type(*dtype), rows, "delta"),
+        expect_buffer(lse, stats_type(call->dtype), rows, "lse"),
+        expect_buffer(delta, stats_type(call->dtype), rows, "delta"),
         expect_buffer(dq, elem, q_elems, "dq"), expect_buffer(dk, elem, kv_elems, "dk"),
         expect_buffer(dv, elem, kv_elems, "dv")}) {
     if (e.failure()) return ffi::Unexpected(e);
   }
-  BwdCall call{};
-  call.dtype = *dtype;
-  BwdParams& p = call.params;
-  p.q = q.untyped_data();
-  p.k = k.untyped_data();
-  p.v = v.untyped_data();
   p.dout = dout.untyped_data();
   p.lse = lse.untyped_data();
   p.delta = delta.untyped_data();
@@ -176,14 +176,6 @@ inline ffi::ErrorOr<BwdCall> decode_bwd(const ffi::AnyBuffer& q, const ffi::AnyB
   p.dk = dk.untyped_data();
   p.dv = dv.untyped_data();
   p.dq_accum = nullptr;
-  p.batch = d.batch;
-  p.seqlen_q = d.seqlen_q;
-  p.seqlen_k = d.seqlen_k;
-  p.heads_q = d.heads_q;
-  p.heads_kv = d.heads_kv;
-  p.head_dim = d.head_dim;
-  p.softmax_scale = softmax_scale;
-  p.causal = causal;
   return call;
 }
 
