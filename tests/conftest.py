@@ -85,6 +85,11 @@ def make_qkv(
     return q, k, v
 
 
+def lse_shape(q) -> tuple[int, int, int]:
+    """Shape of lse, [batch, heads_q, seqlen_q], for q of layout [batch, seqlen_q, heads_q, dim]."""
+    return (q.shape[0], q.shape[2], q.shape[1])
+
+
 def stats_dtype(dtype) -> jnp.dtype:
     """dtype of lse: float64 for float64 inputs, float32 otherwise."""
     return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
@@ -230,45 +235,41 @@ def assert_lse_close(actual, ref64, *, dtype, lowp=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# Whole checks, shared by several test files.
+# Whole checks, shared by several test files. Their **shape (batch, heads_q, heads_kv, head_dim)
+# goes to make_qkv, with its defaults.
+
+
+def _wants_lowp(dtype, same_precision_rule) -> bool:
+    """Whether a check also needs the plain reference evaluated in the input dtype: always for
+    float16 and bfloat16, for float32 only under same_precision_rule."""
+    return jnp.dtype(dtype) in LOW_PRECISION or (same_precision_rule and dtype == jnp.float32)
 
 
 def check_forward(
     rng,
     *,
-    batch=2,
     seqlen_q,
     seqlen_k,
-    heads_q=2,
-    heads_kv=None,
-    head_dim=64,
     dtype=jnp.float32,
     causal=False,
     softmax_scale=None,
     input_scale=1.0,
     same_precision_rule=False,
+    **shape,
 ):
     """Runs the forward on random inputs and checks O and lse against the float64 reference.
 
     same_precision_rule: also hold float32 to the FlashAttention rule (for inputs where float32
     arithmetic itself is far from 1e-5, such as huge logits)."""
     q, k, v = make_qkv(
-        rng,
-        batch=batch,
-        seqlen_q=seqlen_q,
-        seqlen_k=seqlen_k,
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        head_dim=head_dim,
-        dtype=dtype,
-        scale=input_scale,
+        rng, seqlen_q=seqlen_q, seqlen_k=seqlen_k, dtype=dtype, scale=input_scale, **shape
     )
     out, lse = flash_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
     assert out.shape == q.shape and out.dtype == q.dtype
-    assert lse.shape == (batch, heads_q, seqlen_q) and lse.dtype == stats_dtype(dtype)
+    assert lse.shape == lse_shape(q) and lse.dtype == stats_dtype(dtype)
     ref_out, ref_lse = reference_forward(*f64(q, k, v), causal=causal, softmax_scale=softmax_scale)
     lowp_out = lowp_lse = None
-    if jnp.dtype(dtype) in LOW_PRECISION or (same_precision_rule and dtype == jnp.float32):
+    if _wants_lowp(dtype, same_precision_rule):
         lowp_out, lowp_lse = reference_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
     assert_close("out", out, ref_out, dtype=dtype, kind="fwd", lowp=lowp_out)
     assert_lse_close(lse, ref_lse, dtype=dtype, lowp=lowp_lse)
@@ -278,35 +279,24 @@ def check_forward(
 def check_backward(
     rng,
     *,
-    batch=2,
     seqlen_q,
     seqlen_k,
-    heads_q=2,
-    heads_kv=None,
-    head_dim=64,
     dtype=jnp.float32,
     causal=False,
     softmax_scale=None,
     lse_cotangent=False,
     input_scale=1.0,
     same_precision_rule=False,
+    **shape,
 ):
     """VJP with a random cotangent on O (and on lse) against the VJP of the float64 reference.
 
     Returns the inputs with the O cotangent, (out, lse) and the kernel's (dq, dk, dv)."""
     q, k, v = make_qkv(
-        rng,
-        batch=batch,
-        seqlen_q=seqlen_q,
-        seqlen_k=seqlen_k,
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        head_dim=head_dim,
-        dtype=dtype,
-        scale=input_scale,
+        rng, seqlen_q=seqlen_q, seqlen_k=seqlen_k, dtype=dtype, scale=input_scale, **shape
     )
     dout = normal(rng, q.shape, dtype)
-    dlse = normal(rng, (batch, heads_q, seqlen_q), stats_dtype(dtype)) if lse_cotangent else None
+    dlse = normal(rng, lse_shape(q), stats_dtype(dtype)) if lse_cotangent else None
     kw = {"causal": causal, "softmax_scale": softmax_scale}
     out, lse, grads = flash_vjp(q, k, v, dout, dlse, **kw)
     ref_out, ref_lse, ref_grads = reference_vjp(
@@ -314,7 +304,7 @@ def check_backward(
     )
     lowp_out = lowp_lse = None
     lowp_grads = (None, None, None)
-    if jnp.dtype(dtype) in LOW_PRECISION or (same_precision_rule and dtype == jnp.float32):
+    if _wants_lowp(dtype, same_precision_rule):
         lowp_out, lowp_lse, lowp_grads = reference_vjp(
             q, k, v, dout, None if dlse is None else dlse.astype(dtype), **kw
         )

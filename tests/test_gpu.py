@@ -16,6 +16,7 @@ from conftest import (
     dtype_id,
     f64,
     flash_vjp,
+    lse_shape,
     make_qkv,
     normal,
     reference_vjp,
@@ -41,10 +42,6 @@ BF16_TOL = 2e-2
 
 def jax_key(rng):
     return jax.random.key(int(rng.integers(2**31)))
-
-
-def lse_shape(q):
-    return (q.shape[0], q.shape[2], q.shape[1])
 
 
 def per_head_reference(q, k, v, dout, head, causal):

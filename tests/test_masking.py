@@ -2,6 +2,7 @@
 seqlen_q - seqlen_k query rows see no key. They must give O = 0, lse = -inf, dQ = 0 and add
 nothing to dK and dV; nothing may be NaN."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,7 +35,7 @@ def assert_all_finite(name, x):
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("seqlen_q,seqlen_k,heads_q,heads_kv", SHAPES, ids=SHAPE_IDS)
 def test_forward(rng, seqlen_q, seqlen_k, heads_q, heads_kv, dtype):
-    poison_allocator(jnp.zeros((2, seqlen_q, heads_q, 64), dtype))
+    poison_allocator(jax.ShapeDtypeStruct((2, seqlen_q, heads_q, 64), dtype))
     _, (out, lse), _ = check_forward(
         rng,
         seqlen_q=seqlen_q,
@@ -55,7 +56,7 @@ def test_forward(rng, seqlen_q, seqlen_k, heads_q, heads_kv, dtype):
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("seqlen_q,seqlen_k,heads_q,heads_kv", SHAPES, ids=SHAPE_IDS)
 def test_backward(rng, seqlen_q, seqlen_k, heads_q, heads_kv, dtype):
-    poison_allocator(jnp.zeros((2, seqlen_q, heads_q, 64), dtype))
+    poison_allocator(jax.ShapeDtypeStruct((2, seqlen_q, heads_q, 64), dtype))
     (q, k, v, dout), (out, lse), (dq, dk, dv) = check_backward(
         rng,
         seqlen_q=seqlen_q,
