@@ -34,6 +34,14 @@ class Cell:
     def shape(self) -> tuple[int, int, int, int]:
         return (self.batch, self.seqlen, self.heads, self.head_dim)
 
+    def label(self) -> str:
+        """The cell in one fixed-width line, as the progress lines and the dry-run plan show it."""
+        return (
+            f"{self.dtype:<4} {self.direction:<7} d={self.head_dim:<3} "
+            f"{'causal' if self.causal else 'full  '} S={seqlen_label(self.seqlen):<4} "
+            f"B={self.batch:<3} H={self.heads:<3}"
+        )
+
     def flops(self) -> float:
         """FlashAttention papers' convention: two matmuls of 2·S·S·D per head; the causal mask
         halves the useful work; the backward does 2.5x the forward (five matmuls, not two)."""
@@ -151,11 +159,7 @@ def progress_line(
 ) -> str:
     """One line per measured cell, all implementations side by side."""
     width = len(str(total))
-    head = (
-        f"[{index:>{width}}/{total}] {cell.dtype:<4} {cell.direction:<7} d={cell.head_dim:<3} "
-        f"{'causal' if cell.causal else 'full  '} S={seqlen_label(cell.seqlen):<4} "
-        f"B={cell.batch:<3} H={cell.heads:<3}"
-    )
+    head = f"[{index:>{width}}/{total}] {cell.label()}"
     parts = []
     for impl, result in results.items():
         value = (
@@ -189,11 +193,14 @@ def _md_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]
     return lines
 
 
+def _text_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """The same table as aligned text for the console: columns right-aligned, two spaces apart."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in [header, *rows]]
+
+
 def _sections(cells: Sequence[Cell]) -> list[tuple[str, bool]]:
-    seen: dict[tuple[str, bool], None] = {}
-    for cell in cells:
-        seen[(cell.dtype, cell.backward)] = None
-    return list(seen)
+    return list(dict.fromkeys((cell.dtype, cell.backward) for cell in cells))
 
 
 def markdown_report(
@@ -247,10 +254,7 @@ def markdown_report(
 
 
 def _memory_columns(memory: Sequence[MemoryResult]) -> list[tuple[str, bool]]:
-    seen: dict[tuple[str, bool], None] = {}
-    for m in memory:
-        seen[(m.impl, m.backward)] = None
-    return list(seen)
+    return list(dict.fromkeys((m.impl, m.backward) for m in memory))
 
 
 def _clip(text: str, limit: int) -> str:
@@ -276,8 +280,7 @@ def memory_lines(memory: Sequence[MemoryResult], *, markdown: bool) -> list[str]
         rows.append(row)
     if markdown:
         return _md_table(header, [[_md_escape(v) for v in row] for row in rows])
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    return ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in [header, *rows]]
+    return _text_table(header, rows)
 
 
 def summary_lines(
@@ -307,8 +310,7 @@ def summary_lines(
                 "" if measured is None else _summary_value(measured, subject, baseline, unit)
             )
         rows.append(row)
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    text = ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in [header, *rows]]
+    text = _text_table(header, rows)
     if base:
         title = f"{name} {unit.name} and ratio to {base} ({name}/{base}; >1 = {name} faster)"
         legend = f"each entry: {name} {unit.name}, then {name}/{base} ('--': no {base} figure); "

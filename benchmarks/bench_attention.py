@@ -295,6 +295,9 @@ def run_grid(
     sink: CsvSink,
 ) -> None:
     """Measures every cell with every implementation; appends to results as it goes."""
+    # jax_flash is what is under test, so it is the reference only as a last resort.
+    others = [i for i in grid.impls if i not in ("jax_flash", grid.baseline)]
+    order = [i for i in (grid.baseline, *others, "jax_flash") if i]
     index = 0
     for _, group in itertools.groupby(cells, key=lambda c: (c.dtype, c.shape)):
         group = list(group)
@@ -316,9 +319,6 @@ def run_grid(
                     measured, outputs = {}, {}
                     for impl in grid.impls:
                         measured[impl], outputs[impl] = measure(cell, impl, inputs, grid, device)
-                    # jax_flash is what is under test, so it is the reference only as a last resort.
-                    others = [i for i in grid.impls if i not in ("jax_flash", grid.baseline)]
-                    order = [i for i in (grid.baseline, *others, "jax_flash") if i]
                     measured = cross_check(measured, outputs, order)
                     _release([x for leaves in outputs.values() for x in leaves])
                 results.extend(measured.values())
@@ -640,11 +640,7 @@ def print_plan(grid: Grid, cells: Sequence[Cell], files: Sequence[Path]) -> None
     print(FLOP_FORMULA)
     for index, cell in enumerate(cells, 1):
         flops = cell.flops()
-        print(
-            f"  [{index:>3}] {cell.dtype:<4} {cell.direction:<7} d={cell.head_dim:<3} "
-            f"{'causal' if cell.causal else 'full  '} S={seqlen_label(cell.seqlen):<4} "
-            f"B={cell.batch:<3} H={cell.heads:<3} {flops / 1e9:9.1f} GFLOP"
-        )
+        print(f"  [{index:>3}] {cell.label()} {flops / 1e9:9.1f} GFLOP")
     if grid.memory_columns and grid.memory_seqlens:
         columns = ", ".join(
             f"{LABELS[i]} {'fwd+bwd' if b else 'fwd'}" for i, b in grid.memory_columns
