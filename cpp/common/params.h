@@ -4,6 +4,9 @@
 
 #include <cstdint>
 
+#include "common/mask.h"
+#include "common/schedule.h"
+
 namespace jax_flash {
 
 // Element type of Q, K, V, O and the gradients. lse and delta are float32, or float64 when the
@@ -12,13 +15,14 @@ enum class DType : int { kF16 = 0, kBF16 = 1, kF32 = 2, kF64 = 3 };
 
 // All tensors are dense and row-major, in the layout of jax.nn.dot_product_attention. Every leading
 // axis (the batch axis and any axes added by vmap) is folded into `batch`.
-//   Q, O, dO, dQ : [batch, seqlen_q, heads_q, head_dim]
-//   K, V, dK, dV : [batch, seqlen_k, heads_kv, head_dim]
-//   lse, delta   : [batch, heads_q, seqlen_q]
+//   Q, O, dO, dQ : [batch, seqlen_q, heads_q, head_dim]   packed: [total_q, heads_q, head_dim]
+//   K, V, dK, dV : [batch, seqlen_k, heads_kv, head_dim]  packed: [total_k, heads_kv, head_dim]
+//   lse, delta   : [batch, heads_q, seqlen_q]             packed: [heads_q, total_q]
 // heads_q is a multiple of heads_kv; query head h reads key/value head h / (heads_q / heads_kv).
-// Causal masking is aligned to the bottom-right corner: query i sees key j iff
-// j <= i + (seqlen_k - seqlen_q). A query row that sees no key gives O = 0, lse = -inf and zero
-// gradients.
+// `layout` says where each sequence lives (common/schedule.h) and `mask` which scores exist
+// (common/mask.h); batch, seqlen_q and seqlen_k repeat layout's dense sizes (packed calls: 1,
+// total_q, total_k). A query row that sees no key gives O = 0, lse = -inf (the sink with sinks)
+// and zero gradients.
 struct FwdParams {
   const void* q;
   const void* k;
@@ -32,6 +36,10 @@ struct FwdParams {
   int64_t heads_kv;
   int64_t head_dim;
   double softmax_scale;
+  MaskParams mask;
+  SeqLayout layout;
+  // True when the call is plain causal or unmasked attention over a dense batch (the mask is a
+  // bottom-right band with right = 0 or none, and nothing else is set).
   bool causal;
 };
 
@@ -55,7 +63,17 @@ struct BwdParams {
   int64_t heads_kv;
   int64_t head_dim;
   double softmax_scale;
+  MaskParams mask;
+  SeqLayout layout;
   bool causal;
 };
+
+// True when the call needs nothing beyond dense causal / unmasked attention.
+template <class P>
+JF_HOST_DEVICE bool plain_causal_or_full(const P& p) {
+  const Band& b = p.mask.band;
+  return !p.layout.varlen() && !p.mask.segments.enabled() && p.mask.softcap == 0.0 &&
+         p.mask.sinks == nullptr && b.left >= kUnbounded && (b.right == 0 || b.right >= kUnbounded);
+}
 
 }  // namespace jax_flash

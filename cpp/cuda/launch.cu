@@ -9,6 +9,7 @@
 namespace jax_flash::cuda {
 
 cudaError_t attention_fwd(const FwdParams& params, DType dtype, cudaStream_t stream) {
+  if (!plain_causal_or_full(params)) return cudaErrorNotSupported;
   switch (dtype) {
     case DType::kF16:
     case DType::kBF16:
@@ -22,6 +23,7 @@ cudaError_t attention_fwd(const FwdParams& params, DType dtype, cudaStream_t str
 }
 
 cudaError_t attention_bwd(const BwdParams& params, DType dtype, cudaStream_t stream) {
+  if (!plain_causal_or_full(params)) return cudaErrorNotSupported;
   switch (dtype) {
     case DType::kF16:
     case DType::kBF16:

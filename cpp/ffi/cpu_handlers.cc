@@ -61,20 +61,27 @@ cpu::ParallelFor make_parallel_for(ffi::ThreadPool& pool) {
 }
 
 ffi::Error fwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
-                   double softmax_scale, bool causal) {
-  auto call = decode_fwd(q, k, v, *o, *lse, softmax_scale, causal);
+                   ffi::RemainingArgs extras, ffi::Result<ffi::AnyBuffer> o,
+                   ffi::Result<ffi::AnyBuffer> lse, ffi::Dictionary attrs) {
+  auto call = decode_fwd(q, k, v, extras, *o, *lse, attrs);
   if (call.has_error()) return call.error();
+  if (!plain_causal_or_full(call->params)) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented, "jax_flash: CPU masks beyond causal");
+  }
   cpu::attention_fwd(call->params, call->dtype, make_parallel_for(pool));
   return ffi::Error::Success();
 }
 
 ffi::Error bwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer delta,
-                   ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                   ffi::Result<ffi::AnyBuffer> dv, double softmax_scale, bool causal) {
-  auto call = decode_bwd(q, k, v, dout, lse, delta, *dq, *dk, *dv, softmax_scale, causal);
+                   ffi::RemainingArgs extras, ffi::Result<ffi::AnyBuffer> dq,
+                   ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                   ffi::Dictionary attrs) {
+  auto call = decode_bwd(q, k, v, dout, lse, delta, extras, *dq, *dk, *dv, attrs);
   if (call.has_error()) return call.error();
+  if (!plain_causal_or_full(call->params)) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented, "jax_flash: CPU masks beyond causal");
+  }
   cpu::attention_bwd(call->params, call->dtype, make_parallel_for(pool));
   return ffi::Error::Success();
 }
@@ -88,10 +95,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashFwdCpu, jax_flash::ffi_glue::fwd_cpu,
                                   .Arg<xla::ffi::AnyBuffer>()  // q   [..., Sq, Hq, D]
                                   .Arg<xla::ffi::AnyBuffer>()  // k   [..., Sk, Hkv, D]
                                   .Arg<xla::ffi::AnyBuffer>()  // v   [..., Sk, Hkv, D]
+                                  .RemainingArgs()  // the optional inputs, ffi/shapes.h Extra
                                   .Ret<xla::ffi::AnyBuffer>()  // out [..., Sq, Hq, D]
                                   .Ret<xla::ffi::AnyBuffer>()  // lse [..., Hq, Sq]
-                                  .Attr<double>("softmax_scale")
-                                  .Attr<bool>("causal"));
+                                  .Attrs<xla::ffi::Dictionary>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBwdCpu, jax_flash::ffi_glue::bwd_cpu,
                               xla::ffi::Ffi::Bind()
@@ -102,8 +109,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBwdCpu, jax_flash::ffi_glue::bwd_cpu,
                                   .Arg<xla::ffi::AnyBuffer>()  // dout  [..., Sq, Hq, D]
                                   .Arg<xla::ffi::AnyBuffer>()  // lse   [..., Hq, Sq]
                                   .Arg<xla::ffi::AnyBuffer>()  // delta [..., Hq, Sq]
+                                  .RemainingArgs()  // the optional inputs, ffi/shapes.h Extra
                                   .Ret<xla::ffi::AnyBuffer>()  // dq    [..., Sq, Hq, D]
                                   .Ret<xla::ffi::AnyBuffer>()  // dk    [..., Sk, Hkv, D]
                                   .Ret<xla::ffi::AnyBuffer>()  // dv    [..., Sk, Hkv, D]
-                                  .Attr<double>("softmax_scale")
-                                  .Attr<bool>("causal"));
+                                  .Attrs<xla::ffi::Dictionary>());

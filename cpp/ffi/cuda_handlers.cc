@@ -21,9 +21,9 @@ ffi::Error cuda_status(cudaError_t status, const char* what) {
 }
 
 ffi::Error fwd_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                    ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
-                    double softmax_scale, bool causal) {
-  auto call = decode_fwd(q, k, v, *o, *lse, softmax_scale, causal);
+                    ffi::RemainingArgs extras, ffi::Result<ffi::AnyBuffer> o,
+                    ffi::Result<ffi::AnyBuffer> lse, ffi::Dictionary attrs) {
+  auto call = decode_fwd(q, k, v, extras, *o, *lse, attrs);
   if (call.has_error()) return call.error();
   return cuda_status(cuda::attention_fwd(call->params, call->dtype, stream),
                      "attention forward launch");
@@ -31,10 +31,10 @@ ffi::Error fwd_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 
 ffi::Error bwd_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer delta,
-                    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                    ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dq_accum,
-                    double softmax_scale, bool causal) {
-  auto call = decode_bwd(q, k, v, dout, lse, delta, *dq, *dk, *dv, softmax_scale, causal);
+                    ffi::RemainingArgs extras, ffi::Result<ffi::AnyBuffer> dq,
+                    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                    ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Dictionary attrs) {
+  auto call = decode_bwd(q, k, v, dout, lse, delta, extras, *dq, *dk, *dv, attrs);
   if (call.has_error()) return call.error();
   // The scratch is only needed (and only sized) for the tensor-core path; the f32/f64 path gets
   // a one-element placeholder.
@@ -58,10 +58,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashFwdCuda, jax_flash::ffi_glue::fwd_cuda,
                                   .Arg<xla::ffi::AnyBuffer>()  // q   [..., Sq, Hq, D]
                                   .Arg<xla::ffi::AnyBuffer>()  // k   [..., Sk, Hkv, D]
                                   .Arg<xla::ffi::AnyBuffer>()  // v   [..., Sk, Hkv, D]
+                                  .RemainingArgs()  // the optional inputs, ffi/shapes.h Extra
                                   .Ret<xla::ffi::AnyBuffer>()  // out [..., Sq, Hq, D]
                                   .Ret<xla::ffi::AnyBuffer>()  // lse [..., Hq, Sq]
-                                  .Attr<double>("softmax_scale")
-                                  .Attr<bool>("causal"),
+                                  .Attrs<xla::ffi::Dictionary>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBwdCuda, jax_flash::ffi_glue::bwd_cuda,
@@ -73,10 +73,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBwdCuda, jax_flash::ffi_glue::bwd_cuda,
                                   .Arg<xla::ffi::AnyBuffer>()  // dout     [..., Sq, Hq, D]
                                   .Arg<xla::ffi::AnyBuffer>()  // lse      [..., Hq, Sq]
                                   .Arg<xla::ffi::AnyBuffer>()  // delta    [..., Hq, Sq]
+                                  .RemainingArgs()  // the optional inputs, ffi/shapes.h Extra
                                   .Ret<xla::ffi::AnyBuffer>()  // dq       [..., Sq, Hq, D]
                                   .Ret<xla::ffi::AnyBuffer>()  // dk       [..., Sk, Hkv, D]
                                   .Ret<xla::ffi::AnyBuffer>()  // dv       [..., Sk, Hkv, D]
                                   .Ret<xla::ffi::AnyBuffer>()  // dq_accum fp32 scratch
-                                  .Attr<double>("softmax_scale")
-                                  .Attr<bool>("causal"),
+                                  .Attrs<xla::ffi::Dictionary>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -3,8 +3,11 @@
 // example one built by hand) from reaching a kernel.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <type_traits>
 
 #include "common/params.h"
 #include "xla/ffi/api/ffi.h"
@@ -105,12 +108,179 @@ using FwdCall = Call<FwdParams>;
 // params.dq_accum is left null for the caller to fill where needed.
 using BwdCall = Call<BwdParams>;
 
+// The optional inputs that follow q, k, v (and, in the backward, dO, lse, delta) in every call,
+// in this order. Python passes a one-element placeholder for each one a call does not use.
+enum Extra : size_t {
+  kQSegmentIds = 0,  // int32 [batch, seqlen_q]
+  kKvSegmentIds,     // int32 [batch, seqlen_k]
+  kQSegmentRanges,   // int32 [batch, ceil(seqlen_q / kSegmentChunk), 2]
+  kKvSegmentRanges,  // int32 [batch, ceil(seqlen_k / kSegmentChunk), 2]
+  kSinks,            // float32 (float64 for f64 inputs) [batch, heads_q], or [heads_q] packed
+  kCuSeqlensQ,       // int32 [num_seqs + 1]
+  kCuSeqlensK,       // int32 [num_seqs + 1]
+  kNumExtras,
+};
+
+inline ffi::Error invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument("jax_flash: " + what);
+}
+
+template <typename T>
+inline ffi::ErrorOr<T> attr(const ffi::Dictionary& attrs, std::string_view name) {
+  auto value = attrs.get<T>(name);
+  if (value.has_error()) {
+    return ffi::Unexpected(invalid("missing or mistyped attribute " + std::string(name)));
+  }
+  return *value;
+}
+
+// The call's options, decoded from its attributes in one place for all four handlers.
+struct Options {
+  double softmax_scale;
+  int64_t window_left;   // -1: unbounded
+  int64_t window_right;  // -1: unbounded (causal arrives as 0)
+  double softcap;        // 0: none
+  int64_t max_seqlen_q;  // -1: not given
+  int64_t max_seqlen_k;
+  bool has_segments;
+  bool has_sinks;
+  bool varlen;
+};
+
+inline ffi::ErrorOr<Options> decode_options(const ffi::Dictionary& attrs) {
+  Options o{};
+  ffi::Error error = ffi::Error::Success();
+  // Reads one attribute into `out`, keeping the first error.
+  const auto read = [&](auto& out, std::string_view name) {
+    using T = std::decay_t<decltype(out)>;
+    auto value = attr<T>(attrs, name);
+    if (value.has_error()) {
+      if (error.success()) error = value.error();
+    } else {
+      out = *value;
+    }
+  };
+  read(o.softmax_scale, "softmax_scale");
+  read(o.window_left, "window_left");
+  read(o.window_right, "window_right");
+  read(o.softcap, "softcap");
+  read(o.max_seqlen_q, "max_seqlen_q");
+  read(o.max_seqlen_k, "max_seqlen_k");
+  read(o.has_segments, "has_segments");
+  read(o.has_sinks, "has_sinks");
+  read(o.varlen, "varlen");
+  if (error.failure()) return ffi::Unexpected(error);
+  if (!std::isfinite(o.softmax_scale) || o.softmax_scale <= 0.0) {
+    return ffi::Unexpected(invalid("softmax_scale must be finite and positive"));
+  }
+  if (o.window_left < -1 || o.window_right < -1) {
+    return ffi::Unexpected(invalid("window bounds must be -1 (unbounded) or >= 0"));
+  }
+  if (!std::isfinite(o.softcap) || o.softcap < 0.0) {
+    return ffi::Unexpected(invalid("softcap must be finite and >= 0 (0: none)"));
+  }
+  if (o.max_seqlen_q < -1 || o.max_seqlen_k < -1) {
+    return ffi::Unexpected(invalid("max_seqlen_q/k must be -1 (not given) or >= 0"));
+  }
+  if (o.varlen && o.has_segments) {
+    return ffi::Unexpected(invalid("segment ids are not supported with cu_seqlens"));
+  }
+  return o;
+}
+
+inline ffi::ErrorOr<ffi::AnyBuffer> extra(const ffi::RemainingArgs& extras, Extra which) {
+  if (extras.size() != kNumExtras) {
+    return ffi::Unexpected(invalid("expected 7 optional inputs after the tensors"));
+  }
+  auto b = extras.get<ffi::AnyBuffer>(which);
+  if (b.has_error()) return ffi::Unexpected(invalid("an optional input is not a buffer"));
+  return *b;
+}
+
+inline int64_t chunks(int64_t n) { return (n + kSegmentChunk - 1) / kSegmentChunk; }
+
+// Fills params.mask and params.layout from the options and the optional inputs, checking every
+// buffer that is used.
+template <class P>
+inline ffi::Error decode_mask(const ffi::RemainingArgs& extras, const Options& o, DType dtype,
+                              P& p) {
+  MaskParams& m = p.mask;
+  m.band.left = o.window_left < 0 ? kUnbounded : o.window_left;
+  m.band.right = o.window_right < 0 ? kUnbounded : o.window_right;
+  m.softcap = o.softcap;
+  SeqLayout& l = p.layout;
+  l.heads_q = p.heads_q;
+  if (o.varlen) {
+    auto cu_q = extra(extras, kCuSeqlensQ);
+    auto cu_k = extra(extras, kCuSeqlensK);
+    if (cu_q.has_error()) return cu_q.error();
+    if (cu_k.has_error()) return cu_k.error();
+    const int64_t n = static_cast<int64_t>(cu_q->element_count()) - 1;
+    if (p.batch != 1 || n < 0 || cu_q->element_type() != ffi::DataType::S32 ||
+        cu_k->element_type() != ffi::DataType::S32 ||
+        static_cast<int64_t>(cu_k->element_count()) != n + 1) {
+      return invalid("cu_seqlens_q and cu_seqlens_k must be int32 [num_seqs + 1] with rank-3 q");
+    }
+    l.cu_seqlens_q = static_cast<const int32_t*>(cu_q->untyped_data());
+    l.cu_seqlens_k = static_cast<const int32_t*>(cu_k->untyped_data());
+    l.num_seqs = n;
+    l.total_q = p.seqlen_q;
+    l.total_k = p.seqlen_k;
+    l.batch = 1;
+    l.max_seqlen_q = o.max_seqlen_q < 0 ? p.seqlen_q : o.max_seqlen_q;
+    l.max_seqlen_k = o.max_seqlen_k < 0 ? p.seqlen_k : o.max_seqlen_k;
+  } else {
+    l.batch = p.batch;
+    l.max_seqlen_q = p.seqlen_q;
+    l.max_seqlen_k = p.seqlen_k;
+  }
+  l.seqlen_q = p.seqlen_q;
+  l.seqlen_k = p.seqlen_k;
+  if (o.has_segments) {
+    auto q_ids = extra(extras, kQSegmentIds);
+    auto kv_ids = extra(extras, kKvSegmentIds);
+    auto q_rng = extra(extras, kQSegmentRanges);
+    auto kv_rng = extra(extras, kKvSegmentRanges);
+    for (const auto* b : {&q_ids, &kv_ids, &q_rng, &kv_rng}) {
+      if (b->has_error()) return b->error();
+    }
+    for (ffi::Error e :
+         {expect_buffer(*q_ids, ffi::DataType::S32, p.batch * p.seqlen_q, "q_segment_ids"),
+          expect_buffer(*kv_ids, ffi::DataType::S32, p.batch * p.seqlen_k, "kv_segment_ids"),
+          expect_buffer(*q_rng, ffi::DataType::S32, p.batch * chunks(p.seqlen_q) * 2,
+                        "q_segment_ranges"),
+          expect_buffer(*kv_rng, ffi::DataType::S32, p.batch * chunks(p.seqlen_k) * 2,
+                        "kv_segment_ranges")}) {
+      if (e.failure()) return e;
+    }
+    m.segments.q_ids = static_cast<const int32_t*>(q_ids->untyped_data());
+    m.segments.kv_ids = static_cast<const int32_t*>(kv_ids->untyped_data());
+    m.segments.q_ranges = static_cast<const int32_t*>(q_rng->untyped_data());
+    m.segments.kv_ranges = static_cast<const int32_t*>(kv_rng->untyped_data());
+  }
+  if (o.has_sinks) {
+    auto sinks = extra(extras, kSinks);
+    if (sinks.has_error()) return sinks.error();
+    const int64_t rows = o.varlen ? 1 : p.batch;
+    if (auto e = expect_buffer(*sinks, stats_type(dtype), rows * p.heads_q, "sinks"); e.failure()) {
+      return e;
+    }
+    m.sinks = sinks->untyped_data();
+    m.sinks_batch_stride = o.varlen ? 0 : p.heads_q;
+  }
+  p.causal = m.band.right == 0 && m.band.left >= kUnbounded;
+  return ffi::Error::Success();
+}
+
 // What decode_fwd and decode_bwd share: checks q, k, v and their element type, and fills the
 // fields FwdParams and BwdParams have in common. The output buffers are the caller's.
 template <class P>
 inline ffi::ErrorOr<Call<P>> decode_inputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
-                                           const ffi::AnyBuffer& v, double softmax_scale,
-                                           bool causal) {
+                                           const ffi::AnyBuffer& v,
+                                           const ffi::RemainingArgs& extras,
+                                           const ffi::Dictionary& attrs) {
+  auto options = decode_options(attrs);
+  if (options.has_error()) return ffi::Unexpected(options.error());
   auto dims = attention_dims(q, k, v);
   if (dims.has_error()) return ffi::Unexpected(dims.error());
   auto dtype = to_dtype(q.element_type());
@@ -128,15 +298,18 @@ inline ffi::ErrorOr<Call<P>> decode_inputs(const ffi::AnyBuffer& q, const ffi::A
   p.heads_q = d.heads_q;
   p.heads_kv = d.heads_kv;
   p.head_dim = d.head_dim;
-  p.softmax_scale = softmax_scale;
-  p.causal = causal;
+  p.softmax_scale = options->softmax_scale;
+  if (auto e = decode_mask(extras, *options, call.dtype, p); e.failure()) {
+    return ffi::Unexpected(e);
+  }
   return call;
 }
 
 inline ffi::ErrorOr<FwdCall> decode_fwd(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
-                                        const ffi::AnyBuffer& v, ffi::AnyBuffer o,
-                                        ffi::AnyBuffer lse, double softmax_scale, bool causal) {
-  auto call = decode_inputs<FwdParams>(q, k, v, softmax_scale, causal);
+                                        const ffi::AnyBuffer& v, const ffi::RemainingArgs& extras,
+                                        ffi::AnyBuffer o, ffi::AnyBuffer lse,
+                                        const ffi::Dictionary& attrs) {
+  auto call = decode_inputs<FwdParams>(q, k, v, extras, attrs);
   if (call.has_error()) return ffi::Unexpected(call.error());
   FwdParams& p = call->params;
   const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
@@ -152,9 +325,10 @@ inline ffi::ErrorOr<FwdCall> decode_fwd(const ffi::AnyBuffer& q, const ffi::AnyB
 inline ffi::ErrorOr<BwdCall> decode_bwd(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                                         const ffi::AnyBuffer& v, const ffi::AnyBuffer& dout,
                                         const ffi::AnyBuffer& lse, const ffi::AnyBuffer& delta,
-                                        ffi::AnyBuffer dq, ffi::AnyBuffer dk, ffi::AnyBuffer dv,
-                                        double softmax_scale, bool causal) {
-  auto call = decode_inputs<BwdParams>(q, k, v, softmax_scale, causal);
+                                        const ffi::RemainingArgs& extras, ffi::AnyBuffer dq,
+                                        ffi::AnyBuffer dk, ffi::AnyBuffer dv,
+                                        const ffi::Dictionary& attrs) {
+  auto call = decode_inputs<BwdParams>(q, k, v, extras, attrs);
   if (call.has_error()) return ffi::Unexpected(call.error());
   BwdParams& p = call->params;
   const ffi::DataType elem = q.element_type();

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -40,44 +41,79 @@ def _pad_head_dim(x: jax.Array, head_dim: int) -> jax.Array:
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
-def _attrs(softmax_scale: float, causal: bool) -> dict:
-    # Python float -> double attribute, numpy bool -> bool attribute (types must match exactly).
-    return {"softmax_scale": float(softmax_scale), "causal": np.bool_(causal)}
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """The static options of one call, as the FFI handlers take them (cpp/ffi/shapes.h)."""
+
+    softmax_scale: float
+    window_left: int = -1  # -1: unbounded
+    window_right: int = -1  # -1: unbounded; causal is 0
+    softcap: float = 0.0  # 0: none
+    has_segments: bool = False
+    has_sinks: bool = False
+    varlen: bool = False
+    max_seqlen_q: int = -1  # -1: not given
+    max_seqlen_k: int = -1
+
+    def attrs(self) -> dict:
+        # Attribute types must match the C++ side exactly: Python float -> double, int -> int64,
+        # numpy bool -> bool.
+        return {
+            "softmax_scale": float(self.softmax_scale),
+            "window_left": int(self.window_left),
+            "window_right": int(self.window_right),
+            "softcap": float(self.softcap),
+            "has_segments": np.bool_(self.has_segments),
+            "has_sinks": np.bool_(self.has_sinks),
+            "varlen": np.bool_(self.varlen),
+            "max_seqlen_q": int(self.max_seqlen_q),
+            "max_seqlen_k": int(self.max_seqlen_k),
+        }
 
 
-def _fwd_call(target, q, k, v, softmax_scale, causal):
+def _placeholder(dtype) -> jax.Array:
+    return jnp.zeros((1,), dtype)
+
+
+def _no_extras(dtype) -> tuple[jax.Array, ...]:
+    """The seven optional FFI inputs (ffi/shapes.h Extra), all unused."""
+    i32 = jnp.int32
+    return (*(_placeholder(i32) for _ in range(4)), _placeholder(dtype), *(_placeholder(i32),) * 2)
+
+
+def _fwd_call(target, q, k, v, extras, spec):
     out_types = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct(_lse_shape(q), _stats_dtype(q.dtype)),
     )
     # The handlers fold every leading axis into the batch, so vmap over any axis is one launch.
     call = jax.ffi.ffi_call(target, out_types, vmap_method="broadcast_all")
-    return call(q, k, v, **_attrs(softmax_scale, causal))
+    return call(q, k, v, *extras, **spec.attrs())
 
 
-def _fwd_cpu(q, k, v, *, softmax_scale, causal):
-    return _fwd_call(_ffi.FWD_CPU, q, k, v, softmax_scale, causal)
+def _fwd_cpu(q, k, v, extras, *, spec):
+    return _fwd_call(_ffi.FWD_CPU, q, k, v, extras, spec)
 
 
-def _fwd_cuda(q, k, v, *, softmax_scale, causal):
+def _fwd_cuda(q, k, v, extras, *, spec):
     head_dim = q.shape[-1]
     padded = _cuda_head_dim(q.dtype, head_dim)
     q, k, v = (_pad_head_dim(x, padded) for x in (q, k, v))
-    out, lse = _fwd_call(_ffi.FWD_CUDA, q, k, v, softmax_scale, causal)
+    out, lse = _fwd_call(_ffi.FWD_CUDA, q, k, v, extras, spec)
     return out[..., :head_dim], lse
 
 
-def _bwd_cpu(q, k, v, dout, lse, delta, *, softmax_scale, causal):
+def _bwd_cpu(q, k, v, dout, lse, delta, extras, *, spec):
     out_types = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct(k.shape, k.dtype),
         jax.ShapeDtypeStruct(v.shape, v.dtype),
     )
     call = jax.ffi.ffi_call(_ffi.BWD_CPU, out_types, vmap_method="broadcast_all")
-    return call(q, k, v, dout, lse, delta, **_attrs(softmax_scale, causal))
+    return call(q, k, v, dout, lse, delta, *extras, **spec.attrs())
 
 
-def _bwd_cuda(q, k, v, dout, lse, delta, *, softmax_scale, causal):
+def _bwd_cuda(q, k, v, dout, lse, delta, extras, *, spec):
     head_dim = q.shape[-1]
     padded = _cuda_head_dim(q.dtype, head_dim)
     q, k, v, dout = (_pad_head_dim(x, padded) for x in (q, k, v, dout))
@@ -91,23 +127,22 @@ def _bwd_cuda(q, k, v, dout, lse, delta, *, softmax_scale, causal):
         jax.ShapeDtypeStruct(scratch_shape, jnp.float32),
     )
     call = jax.ffi.ffi_call(_ffi.BWD_CUDA, out_types, vmap_method="broadcast_all")
-    dq, dk, dv, _ = call(q, k, v, dout, lse, delta, **_attrs(softmax_scale, causal))
+    dq, dk, dv, _ = call(q, k, v, dout, lse, delta, *extras, **spec.attrs())
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim]
 
 
-def _forward(q, k, v, softmax_scale, causal):
-    kw = {"softmax_scale": softmax_scale, "causal": causal}
+def _forward(q, k, v, extras, spec):
     return jax.lax.platform_dependent(
         q,
         k,
         v,
-        cpu=functools.partial(_fwd_cpu, **kw),
-        cuda=functools.partial(_fwd_cuda, **kw),
+        extras,
+        cpu=functools.partial(_fwd_cpu, spec=spec),
+        cuda=functools.partial(_fwd_cuda, spec=spec),
     )
 
 
-def _backward(q, k, v, dout, lse, delta, softmax_scale, causal):
-    kw = {"softmax_scale": softmax_scale, "causal": causal}
+def _backward(q, k, v, dout, lse, delta, extras, spec):
     return jax.lax.platform_dependent(
         q,
         k,
@@ -115,31 +150,35 @@ def _backward(q, k, v, dout, lse, delta, softmax_scale, causal):
         dout,
         lse,
         delta,
-        cpu=functools.partial(_bwd_cpu, **kw),
-        cuda=functools.partial(_bwd_cuda, **kw),
+        extras,
+        cpu=functools.partial(_bwd_cpu, spec=spec),
+        cuda=functools.partial(_bwd_cuda, spec=spec),
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _flash(q, k, v, softmax_scale, causal):
-    return _forward(q, k, v, softmax_scale, causal)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, extras, spec):
+    return _forward(q, k, v, extras, spec)
 
 
-def _flash_fwd(q, k, v, softmax_scale, causal):
-    out, lse = _forward(q, k, v, softmax_scale, causal)
-    return (out, lse), (q, k, v, out, lse)
+def _flash_fwd(q, k, v, extras, spec):
+    out, lse = _forward(q, k, v, extras, spec)
+    return (out, lse), (q, k, v, extras, out, lse)
 
 
-def _flash_bwd(softmax_scale, causal, residuals, cotangents):
-    q, k, v, out, lse = residuals
+def _flash_bwd(spec, residuals, cotangents):
+    q, k, v, extras, out, lse = residuals
     dout, dlse = cotangents
     acc = _stats_dtype(q.dtype)
     # delta_i = sum_d dO_id O_id is the softmax backward's row term; a cotangent on lse_i adds
     # dlse_i * P_ij to dS_ij, which is the same as subtracting dlse_i from delta_i.
     delta = jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1)
     delta = jnp.swapaxes(delta, -1, -2) - dlse.astype(acc)
-    dq, dk, dv = _backward(q, k, v, dout.astype(q.dtype), lse, delta, softmax_scale, causal)
-    return dq, dk, dv
+    dq, dk, dv = _backward(q, k, v, dout.astype(q.dtype), lse, delta, extras, spec)
+    d_extras = tuple(
+        jnp.zeros_like(x) if jnp.issubdtype(x.dtype, jnp.floating) else None for x in extras
+    )
+    return dq, dk, dv, d_extras
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -184,5 +223,6 @@ def attention(
             "kernels; reinstall it on a machine with nvcc (see README, 'Building for GPUs')"
         )
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
-    out, lse = _flash(q, k, v, scale, causal)
+    spec = _Spec(softmax_scale=scale, window_right=0 if causal else -1)
+    out, lse = _flash(q, k, v, _no_extras(_stats_dtype(q.dtype)), spec)
     return (out, lse) if return_lse else out
