@@ -1,6 +1,7 @@
 // Building blocks of the exact scalar (SIMT) attention kernels for float32 and float64: tile
 // shapes per (dtype, head-dim capacity), vector shared-memory reads, zero-filling tile loads, the
-// causal visibility bounds and the launch helper. Every product is a plain FMA in the input
+// per-tile-pair use of the shared mask policy (common/mask.h), the score function, the checks and
+// dispatch of the entry points and the launch helper. Every product is a plain FMA in the input
 // precision (no tensor cores, no TF32) and exp/log are the full-precision library functions, so
 // these files must be compiled without --use_fast_math (which would turn expf into __expf).
 #pragma once
@@ -8,6 +9,7 @@
 #include <cuda_runtime.h>
 #include <math_constants.h>
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
@@ -131,6 +133,20 @@ struct BwdTile<double, 256> {
   static constexpr int kRows = 8, kCols = 8, kThreads = 64, kScoreLanes = 8, kAccLanes = 16;
 };
 
+// Blocks of `smem_bytes` of dynamic shared memory that fit one SM of the architecture being
+// compiled (sm_90: 228 KB, sm_80: 164 KB; the system reserves 1 KB per block). Used as the
+// minimum blocks per SM of a kernel's launch bounds where shared memory, not registers, should
+// set the occupancy: ptxas's own register budget otherwise either spills under a budget tighter
+// than needed or takes registers that cost a block per SM.
+constexpr int blocks_per_sm(size_t smem_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr size_t kSmemPerSm = 233472;
+#else
+  constexpr size_t kSmemPerSm = 167936;
+#endif
+  return static_cast<int>(kSmemPerSm / (smem_bytes + 1024));
+}
+
 // Asynchronous global->shared copy of one 4- or 8-byte element (sm_80+). When `valid` is false
 // the source is not read and the destination is zero-filled.
 template <int kBytes>
@@ -178,38 +194,146 @@ __device__ __forceinline__ void load_row_stat(T* dst, const T* src, int rows_val
   }
 }
 
-// Causal masking is bottom-right aligned: query i sees key j iff j <= i + (seqlen_k - seqlen_q).
-// Exclusive end of the keys that any query row below q_end can see.
-__host__ __device__ inline int64_t visible_key_end(int64_t q_end, int64_t seqlen_q,
-                                                   int64_t seqlen_k, bool causal) {
-  if (!causal) return seqlen_k;
-  const int64_t end = q_end + (seqlen_k - seqlen_q);
-  return end < 0 ? 0 : (end > seqlen_k ? seqlen_k : end);
+// Rows of a tile of at most `size` rows that start `remaining` rows before the end of their span.
+__host__ __device__ inline int tile_rows(int64_t remaining, int size) {
+  return static_cast<int>(remaining < size ? remaining : size);
 }
 
-// First query row that sees key k_begin; earlier rows see no key at or after it.
-__host__ __device__ inline int64_t first_visible_query(int64_t k_begin, int64_t seqlen_q,
-                                                       int64_t seqlen_k, bool causal) {
-  if (!causal) return 0;
-  const int64_t first = k_begin - (seqlen_k - seqlen_q);
-  return first < 0 ? 0 : first;
+// The segment ids of one sequence of a dense batch, as the kernels read them: ids of its
+// positions and their per-kSegmentChunk (min, max) ranges, all indexed by sequence-local
+// position. All null without segment ids.
+struct SeqSegments {
+  const int32_t* q_ids = nullptr;
+  const int32_t* kv_ids = nullptr;
+  const int32_t* q_ranges = nullptr;
+  const int32_t* kv_ranges = nullptr;
+
+  __device__ __forceinline__ bool enabled() const { return q_ids != nullptr; }
+};
+
+__device__ __forceinline__ SeqSegments seq_segments(const SegmentIds& ids, const SeqSpan& span) {
+  SeqSegments s;
+  if (!ids.enabled()) return s;
+  const int64_t q_chunks = (span.len_q + kSegmentChunk - 1) / kSegmentChunk;
+  const int64_t k_chunks = (span.len_k + kSegmentChunk - 1) / kSegmentChunk;
+  s.q_ids = ids.q_ids + span.batch * span.len_q;
+  s.kv_ids = ids.kv_ids + span.batch * span.len_k;
+  s.q_ranges = ids.q_ranges + span.batch * q_chunks * 2;
+  s.kv_ranges = ids.kv_ranges + span.batch * k_chunks * 2;
+  return s;
 }
 
-// Within one (query tile at m0, key tile at n0) pair, local query row r sees local key column c
-// iff c <= r + diag. The bound is clamped to the int range: beyond a tile's extent it only has to
-// keep its sign and magnitude relative to the tile sizes.
-__device__ __forceinline__ int causal_diag(int64_t m0, int64_t n0, int64_t seqlen_q,
-                                           int64_t seqlen_k, bool causal) {
-  constexpr int64_t kFar = int64_t{1} << 30;
-  if (!causal) return static_cast<int>(kFar);
-  const int64_t diag = m0 + (seqlen_k - seqlen_q) - n0;
-  return static_cast<int>(diag < -kFar ? -kFar : (diag > kFar ? kFar : diag));
+// What one (queries [r0, r1), keys [c0, c1)) tile pair of a sequence needs, for real rows and
+// keys only (the caller accounts for its tiles' padding): `skip` when the pair shares no segment,
+// `full` when every row sees every key (no element test), else an element test of the band and,
+// when `ids`, of equal segment ids. The loops already stay inside the band, so only segment ids
+// can make a pair skippable.
+struct PairMask {
+  bool skip;
+  bool full;
+  bool ids;
+};
+
+__device__ __forceinline__ PairMask pair_mask(const SeqMask& band, const SeqSegments& seg,
+                                              int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+  PairMask pm{false, band.tile_full(r0, r1, c0, c1), false};
+  if (seg.enabled()) {
+    const IdRange q = id_range(seg.q_ranges, r0, r1);
+    const IdRange k = id_range(seg.kv_ranges, c0, c1);
+    pm.skip = q.disjoint(k);
+    pm.ids = !q.same_single(k);
+    pm.full = pm.full && !pm.ids;
+  }
+  return pm;
 }
 
-inline bool valid_shape(int64_t batch, int64_t seqlen_q, int64_t seqlen_k, int64_t heads_q,
-                        int64_t heads_kv, int64_t head_dim) {
-  return batch >= 0 && seqlen_q >= 0 && seqlen_k >= 0 && heads_kv >= 1 && heads_q >= heads_kv &&
-         heads_q % heads_kv == 0 && head_dim >= 1 && head_dim <= kMaxHeadDim;
+// The band's element mask of the tile pair at (m0, n0), restricted to the n_rows keys actually
+// loaded: zero-filled keys past them are never visible, whatever the band says.
+__device__ __forceinline__ TileMask loaded_tile_mask(const SeqMask& band, int64_t m0, int64_t n0,
+                                                     int n_rows) {
+  TileMask tm = band.tile(m0, n0);
+  tm.n_limit = tm.n_limit < n_rows ? tm.n_limit : n_rows;
+  return tm;
+}
+
+// Copies the segment ids of tile-local positions [0, valid) to shared memory, 0 past them (those
+// positions are masked anyway). Shared rather than register copies: the boundary tiles' element
+// test then reads them after the tile's barrier, so the compiler cannot hoist their global loads
+// above the dot products and keep them live there (that cost the forward a third of its
+// occupancy).
+template <int kThreads, int kSize>
+__device__ __forceinline__ void load_ids(int32_t* dst, const int32_t* src, int valid) {
+  for (int x = static_cast<int>(threadIdx.x); x < kSize; x += kThreads) {
+    dst[x] = x < valid ? src[x] : 0;
+  }
+}
+
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float tanh_full(float x) { return tanhf(x); }
+__device__ __forceinline__ double tanh_full(double x) { return tanh(x); }
+
+// The score of a raw dot product x = q.k: scale * x, or with soft-capping
+// cap * tanh(x * (scale / cap)). The forward and both backward kernels evaluate this one function
+// on the same x, so every pass sees bit-identical logits (see scaled_logit); `t` receives the
+// tanh, whose 1 - t^2 is the backward's chain factor.
+template <typename T, bool kSoftcap>
+struct Score {
+  T mul;  // scale, or scale / cap
+  T cap;
+
+  __device__ __forceinline__ static Score of(double softmax_scale, double softcap) {
+    if constexpr (kSoftcap) {
+      return {static_cast<T>(softmax_scale / softcap), static_cast<T>(softcap)};
+    } else {
+      return {static_cast<T>(softmax_scale), T(0)};
+    }
+  }
+  __device__ __forceinline__ T operator()(T x, T& t) const {
+    if constexpr (kSoftcap) {
+      t = tanh_full(scaled_logit(x, mul));
+      return mul_rn(cap, t);
+    } else {
+      t = T(0);
+      return scaled_logit(x, mul);
+    }
+  }
+};
+
+// Checks what the kernels rely on and returns the params they run with; anything else is an
+// error, never a silent fallback. Band bounds beyond kUnbounded mean the same as kUnbounded
+// (positions are below 2^31) and are clamped to it so that no band arithmetic can overflow.
+template <typename Params>
+cudaError_t checked_params(const Params& p, Params& out) {
+  const SeqLayout& l = p.layout;
+  const MaskParams& m = p.mask;
+  constexpr int64_t kMaxPos = INT32_MAX;
+  if (p.heads_kv < 1 || p.heads_q < p.heads_kv || p.heads_q % p.heads_kv != 0 ||
+      l.heads_q != p.heads_q || p.head_dim < 1 || p.head_dim > kMaxHeadDim) {
+    return cudaErrorInvalidValue;
+  }
+  if (l.varlen()) {
+    if (l.cu_seqlens_k == nullptr || l.num_seqs < 0 || l.total_q < 0 || l.total_k < 0 ||
+        l.total_q > kMaxPos || l.total_k > kMaxPos) {
+      return cudaErrorInvalidValue;
+    }
+    // Segment ranges are summarised per dense batch row; packed sequences have none.
+    if (m.segments.enabled()) return cudaErrorNotSupported;
+  } else if (l.batch < 0 || l.seqlen_q < 0 || l.seqlen_k < 0 || l.seqlen_q > kMaxPos ||
+             l.seqlen_k > kMaxPos) {
+    return cudaErrorInvalidValue;
+  }
+  if (m.segments.enabled() && (m.segments.kv_ids == nullptr || m.segments.q_ranges == nullptr ||
+                               m.segments.kv_ranges == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  if (m.band.left < 0 || m.band.right < 0 || !std::isfinite(m.softcap) || m.softcap < 0.0) {
+    return cudaErrorInvalidValue;
+  }
+  out = p;
+  out.mask.band.left = m.band.left < kUnbounded ? m.band.left : kUnbounded;
+  out.mask.band.right = m.band.right < kUnbounded ? m.band.right : kUnbounded;
+  return cudaSuccess;
 }
 
 // Calls fn(std::integral_constant<int, kCap>) for the smallest capacity bucket holding head_dim.
@@ -222,15 +346,30 @@ cudaError_t dispatch_head_dim(int64_t head_dim, Fn&& fn) {
 }
 
 // Entry-point dispatch of the forward and the backward (Params is FwdParams or BwdParams): checks
-// the shape, then calls fn(T{}, std::integral_constant<int, kCap>{}) for the element type T
-// (float or double) and the capacity bucket of head_dim.
+// the params, then calls fn(checked params, T{}, std::integral_constant<int, kCap>{},
+// std::bool_constant<kSoftcap>{}) for the element type T (float or double), the capacity bucket
+// of head_dim and whether scores are soft-capped. Soft-capping is the one variant that is a
+// template flag: it changes every score. The band, packed layouts, sinks and segment ids change
+// only per-tile (uniform) decisions and the boundary tiles' element test, so the plain path pays
+// nothing measurable for them at run time.
 template <typename Params, typename Fn>
-cudaError_t dispatch(const Params& p, DType dtype, Fn&& fn) {
-  if (!valid_shape(p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.head_dim)) {
-    return cudaErrorInvalidValue;
-  }
+cudaError_t dispatch(const Params& params, DType dtype, Fn&& fn) {
+  Params p;
+  if (cudaError_t err = checked_params(params, p); err != cudaSuccess) return err;
+  const auto by_softcap = [&](auto zero, auto cap) {
+    if (p.mask.softcap == 0.0) return fn(p, zero, cap, std::false_type{});
+    // Score multiplies by scale / cap and by cap in the element type: both must be normal there
+    // (an overflowed factor would turn a zero dot product into NaN, an underflowed one every
+    // score into 0).
+    using T = decltype(zero);
+    if (!std::isnormal(static_cast<T>(p.softmax_scale / p.mask.softcap)) ||
+        !std::isnormal(static_cast<T>(p.mask.softcap))) {
+      return cudaErrorInvalidValue;
+    }
+    return fn(p, zero, cap, std::true_type{});
+  };
   const auto by_head_dim = [&](auto zero) {
-    return dispatch_head_dim(p.head_dim, [&](auto cap) { return fn(zero, cap); });
+    return dispatch_head_dim(p.head_dim, [&](auto cap) { return by_softcap(zero, cap); });
   };
   switch (dtype) {
     case DType::kF32:
