@@ -108,7 +108,9 @@ struct BwdWgmmaTraits {
   // The CTA's tile (BwdCtaTile), written once by thread 0.
   static constexpr int kTileOffset = kBarOffset + 8 * kNumBarriers;
   static constexpr int kTileBytes = 128;
-  static constexpr int kSmemBytes = kTileOffset + kTileBytes + 1024;
+  // Segment ids of the tile's keys (kBlockN ints), written by the producer warp.
+  static constexpr int kKvIdOffset = kTileOffset + kTileBytes;
+  static constexpr int kSmemBytes = kKvIdOffset + kBlockN * 4 + 1024;
 
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>);
   static_assert(kD == 64 || kD == 128, "head_dim 64 and 128 only");
@@ -224,23 +226,113 @@ __device__ __forceinline__ void wgmma_ss_n64_trans(float (&d)[32], uint64_t desc
 #undef BW_WGMMA_TT64
 #undef BW_F8
 
+// threadIdx.x through a volatile read, which the compiler can neither hoist nor merge with
+// others: values derived from it are computed where they are used, not kept live in registers.
+__device__ __forceinline__ int fresh_thread_index() {
+  int tid;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+  return tid;
+}
+
 // Zeroes rows [row0, kRows) of kTensors swizzled tiles (kPanels panels of kRows 128-byte rows,
 // kTensorStride bytes apart), one 16-byte chunk per store, over the 256 consumer threads. The
 // swizzle only permutes the chunks inside a row, so whole rows are zeroed regardless of it. The
-// thread index is read afresh (volatile) so that the compiler does not keep this rare path's
-// addresses live across the main loop.
+// thread index is read afresh so that this rare path's addresses are not kept live.
 template <int kRows, int kPanels, int kTensors, int kTensorStride>
 __device__ __forceinline__ void zero_tile_rows(uint8_t* tile, int row0) {
   constexpr int kThreads = 256;
   constexpr int kRowsPerPass = kThreads / (8 * kPanels);
-  int thread;
-  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(thread));
-  thread -= 128;
+  const int thread = fresh_thread_index() - 128;
   uint8_t* const at = tile + (thread / 8 % kPanels) * kRows * 128 + (thread % 8) * 16;
   for (int row = row0 + thread / (8 * kPanels); row < kRows; row += kRowsPerPass) {
 #pragma unroll
     for (int x = 0; x < kTensors; ++x) {
       *reinterpret_cast<uint4*>(at + x * kTensorStride + row * 128) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+}
+
+// P^T of one pair from S^T (both in s on entry): accumulator element 4i + 2r + e is (key row
+// g + 8r, query column 8i + 2t + e), i.e. tile-local key `key` + 8r and query 8i + 2t + e. On exit
+// s holds the factor of dS, P or P (1 - t^2) with soft-capping, and p the 16-bit P packed as it
+// is computed into the register fragments of the dV GEMM (k16 step i / 2, register
+// 2 (i % 2) + r: the layout convert_p produces). With kMask, elements the TileMask (or, with
+// `seg`, the segment ids) hides are selected to 0, never multiplied, so a NaN there cannot leak.
+template <class Tr, bool kMask>
+__device__ __forceinline__ void bwd_probs(float (&s)[Tr::kBlockM / 2],
+                                          uint32_t (&p)[Tr::kBlockM / 16][4], const float* lse_s,
+                                          const int* qid_s, const TileMask& tm, bool seg,
+                                          const int* kvid_s, int key, int t,
+                                          const BwdWgmmaArgs& args) {
+  using T = typename Tr::Element;
+#pragma unroll
+  for (int i = 0; i < Tr::kBlockM / 8; ++i) {
+    const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * i + 2 * t);
+    int2 qid = make_int2(0, 0);
+    if (kMask && seg) qid = *reinterpret_cast<const int2*>(qid_s + 8 * i + 2 * t);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float p0, p1, w0, w1;
+      const float x0 = s[4 * i + 2 * r];
+      const float x1 = s[4 * i + 2 * r + 1];
+      if constexpr (Tr::kIsSoftcap) {
+        const float t0 = bwd_tanh_approx(x0 * args.softcap_scale);
+        const float t1 = bwd_tanh_approx(x1 * args.softcap_scale);
+        p0 = tc::fast_exp2(fmaf(args.softcap_log2, t0, -l2.x));
+        p1 = tc::fast_exp2(fmaf(args.softcap_log2, t1, -l2.y));
+        w0 = p0 * fmaf(-t0, t0, 1.f);
+        w1 = p1 * fmaf(-t1, t1, 1.f);
+      } else {
+        p0 = tc::fast_exp2(fmaf(x0, args.scale_log2, -l2.x));
+        p1 = tc::fast_exp2(fmaf(x1, args.scale_log2, -l2.y));
+        w0 = p0;
+        w1 = p1;
+      }
+      if constexpr (kMask) {
+        const int kc = key + 8 * r;
+        const int q = 8 * i + 2 * t;
+        bool v0 = tm.visible(q, kc);
+        bool v1 = tm.visible(q + 1, kc);
+        if (seg) {
+          const int kv_id = kvid_s[kc];
+          v0 = v0 && qid.x == kv_id;
+          v1 = v1 && qid.y == kv_id;
+        }
+        p0 = v0 ? p0 : 0.f;
+        p1 = v1 ? p1 : 0.f;
+        w0 = v0 ? w0 : 0.f;
+        w1 = v1 ? w1 : 0.f;
+      }
+      s[4 * i + 2 * r] = w0;
+      s[4 * i + 2 * r + 1] = w1;
+      p[i / 2][2 * (i % 2) + r] = tc::pack2<T>(p0, p1);
+    }
+  }
+}
+
+// dS^T = P^T (dP^T - delta) in place of dP^T, delta broadcast along the key rows, with w (the
+// factor bwd_probs left in s) for P^T. With kMask every masked element has w = 0 and is selected
+// to 0, since dP^T there may come from a neighbour's V rows; a visible element whose P
+// underflowed to 0 gets 0 either way.
+template <class Tr, bool kMask>
+__device__ __forceinline__ void bwd_dscores(float (&dp)[Tr::kBlockM / 2],
+                                            const float (&w)[Tr::kBlockM / 2], const float* delta_s,
+                                            int t) {
+#pragma unroll
+  for (int i = 0; i < Tr::kBlockM / 8; ++i) {
+    const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * i + 2 * t);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float w0 = w[4 * i + 2 * r];
+      const float w1 = w[4 * i + 2 * r + 1];
+      float d0 = w0 * (dp[4 * i + 2 * r] - dl.x);
+      float d1 = w1 * (dp[4 * i + 2 * r + 1] - dl.y);
+      if constexpr (kMask) {
+        d0 = w0 != 0.f ? d0 : 0.f;
+        d1 = w1 != 0.f ? d1 : 0.f;
+      }
+      dp[4 * i + 2 * r] = d0;
+      dp[4 * i + 2 * r + 1] = d1;
     }
   }
 }
@@ -259,7 +351,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #if JAX_FLASH_SM90A
   using T = typename Tr::Element;
   constexpr bool kMasked = Tr::kIsMasked;
-  constexpr bool kSoftcap = Tr::kIsSoftcap;
   constexpr int kD = Tr::kD;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
@@ -280,6 +371,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const auto bar_full = [&](int stage) { return bar_kv + 8u * (1 + stage); };
   const auto bar_empty = [&](int stage) { return bar_kv + 8u * (1 + kStages + stage); };
   BwdCtaTile* const cta_tile = reinterpret_cast<BwdCtaTile*>(smem + Tr::kTileOffset);
+  int* const kvid_s = reinterpret_cast<int*>(smem + Tr::kKvIdOffset);
   // lse * log2(e), delta, query segment ids and the header of stage `stage`.
   const auto stage_lse = [&](int stage) {
     return reinterpret_cast<float*>(stats + stage * Tr::kRowStatBytes);
@@ -298,7 +390,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const bool segments = kMasked && args.segments.enabled();
 
   if (threadIdx.x == 0) {
-    mbar_init(bar_kv, 1);
+    // The 32 lanes of the producer warp arrive after writing the keys' segment ids; lane 0's
+    // arrival also carries the TMA byte count.
+    mbar_init(bar_kv, 32);
     for (int s = 0; s < kStages; ++s) {
       // The 32 lanes of the producer warp arrive after writing lse / delta; lane 0's arrival
       // also carries the TMA byte count.
@@ -346,6 +440,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     k_row, tma_batch());
       }
     }
+    if (segments) {
+      const int32_t* const ids = args.segments.kv_ids + ct.span.batch * args.seg_stride_k + ct.n0;
+      for (int c = lane; c < kBlockN; c += 32) {
+        kvid_s[c] = ct.n0 + c < ct.span.len_k ? ids[c] : 0;
+      }
+    }
+    if (lane != 0) mbar_arrive(bar_kv);
     int slot = 0;
     for (int it = 0; it < n_iters; ++it) {
       const int head = ct.head_kv * args.group + it / ct.num_m;
@@ -430,18 +531,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   }
 
   if (n_iters > 0) {
-    // Segment ids of this thread's two keys (keys past the sequence are masked by the TileMask).
-    int kv_id[2] = {0, 0};
-    if (segments) {
-      const int n0 = cta_tile->n0;
-      const int64_t len_k = cta_tile->span.len_k;
-      const int32_t* const ids = args.segments.kv_ids + cta_tile->span.batch * args.seg_stride_k;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        if (n0 + key + 8 * r < len_k) kv_id[r] = ids[n0 + key + 8 * r];
-      }
-    }
-
     float s[kBlockM / 2];
     float dp[kBlockM / 2];
     float dq[kBlockM / 2];
@@ -484,8 +573,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const uint64_t do_desc = smem_desc_sw128(do_stage, 16);
       const uint64_t q_mn_desc = smem_desc_sw128(q_stage, Tr::kQPanelBytes);
       const uint64_t do_mn_desc = smem_desc_sw128(do_stage, Tr::kQPanelBytes);
-      const float* const lse_s = stage_lse(stage);
-      const float* const delta_s = stage_delta(stage);
       const BwdPairHeader* const hdr = stage_header(stage);
 
       mbar_wait(bar_full(stage), (slot / kStages) & 1);
@@ -508,60 +595,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       wgmma_ss_kmajor<kBlockM, kD, Tr::kKVPanelBytes, Tr::kQPanelBytes, T>(dp, v_desc, do_desc);
       wgmma_commit();
 
-      // P^T: accumulator element 4i + 2r + e is (key row g + 8r, query column 8i + 2t + e).
-      // s keeps the factor of dS: P, or P (1 - t^2) with soft-capping. P is packed as it is
-      // computed into the register fragments of the dV GEMM (k16 step i / 2, register
-      // 2 (i % 2) + r), the layout convert_p produces. Masked elements are selected to 0, never
-      // multiplied, so a NaN there cannot leak.
+      // P^T and dS^T on the unmasked path or, for a masked pair, with element masking (the two
+      // are separate copies so that unmasked pairs pay nothing for the mask).
       wgmma_wait<1>();
       fence_operand(s);
-      {
-        const bool masked = (flags & kPairMasked) != 0;
-        const bool seg = kMasked && (flags & kPairSegments) != 0;
-        const TileMask tm = hdr->mask;
-        const int* const qid_s = stage_qid(stage);
-#pragma unroll
-        for (int i = 0; i < kBlockM / 8; ++i) {
-          const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * i + 2 * t);
-          int2 qid = make_int2(0, 0);
-          if (seg) qid = *reinterpret_cast<const int2*>(qid_s + 8 * i + 2 * t);
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            float p0, p1, w0, w1;
-            const float x0 = s[4 * i + 2 * r];
-            const float x1 = s[4 * i + 2 * r + 1];
-            if constexpr (kSoftcap) {
-              const float t0 = bwd_tanh_approx(x0 * args.softcap_scale);
-              const float t1 = bwd_tanh_approx(x1 * args.softcap_scale);
-              p0 = tc::fast_exp2(fmaf(args.softcap_log2, t0, -l2.x));
-              p1 = tc::fast_exp2(fmaf(args.softcap_log2, t1, -l2.y));
-              w0 = p0 * fmaf(-t0, t0, 1.f);
-              w1 = p1 * fmaf(-t1, t1, 1.f);
-            } else {
-              p0 = tc::fast_exp2(fmaf(x0, args.scale_log2, -l2.x));
-              p1 = tc::fast_exp2(fmaf(x1, args.scale_log2, -l2.y));
-              w0 = p0;
-              w1 = p1;
-            }
-            if (masked) {
-              const int kc = key + 8 * r;
-              const int q = 8 * i + 2 * t;
-              bool v0 = tm.visible(q, kc);
-              bool v1 = tm.visible(q + 1, kc);
-              if (seg) {
-                v0 = v0 && qid.x == kv_id[r];
-                v1 = v1 && qid.y == kv_id[r];
-              }
-              p0 = v0 ? p0 : 0.f;
-              p1 = v1 ? p1 : 0.f;
-              w0 = v0 ? w0 : 0.f;
-              w1 = v1 ? w1 : 0.f;
-            }
-            s[4 * i + 2 * r] = w0;
-            s[4 * i + 2 * r + 1] = w1;
-            p[i / 2][2 * (i % 2) + r] = tc::pack2<T>(p0, p1);
-          }
-        }
+      if (flags & kPairMasked) {
+        bwd_probs<Tr, true>(s, p, stage_lse(stage), stage_qid(stage), hdr->mask,
+                            kMasked && (flags & kPairSegments) != 0, kvid_s, key, t, args);
+      } else {
+        bwd_probs<Tr, false>(s, p, stage_lse(stage), stage_qid(stage), hdr->mask, false, kvid_s,
+                             key, t, args);
       }
 
       // dV += P^T dO over the tile's queries, 16 per wgmma, with dO as the MN-major B operand
@@ -570,31 +613,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       wgmma_rs_mn<kD, kBlockM / 16, T>(dv, p, do_mn_desc);
       wgmma_commit();
 
-      // dS^T = P^T (dP^T - delta), delta broadcast along the key rows. Groups retire in order:
-      // leaving one pending means S^T and dP^T are done while dV may still run. On a masked
-      // pair every masked element has s = 0 and is selected to 0 (dP^T there may come from a
-      // neighbour's V rows); a visible element whose P underflowed to 0 gets 0 either way.
+      // Groups retire in order: leaving one pending means S^T and dP^T are done while dV may
+      // still run.
       wgmma_wait<1>();
       fence_operand(dp);
-      {
-        const bool masked = (flags & kPairMasked) != 0;
-#pragma unroll
-        for (int i = 0; i < kBlockM / 8; ++i) {
-          const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * i + 2 * t);
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const float w0 = s[4 * i + 2 * r];
-            const float w1 = s[4 * i + 2 * r + 1];
-            float d0 = w0 * (dp[4 * i + 2 * r] - dl.x);
-            float d1 = w1 * (dp[4 * i + 2 * r + 1] - dl.y);
-            if (masked) {
-              d0 = w0 != 0.f ? d0 : 0.f;
-              d1 = w1 != 0.f ? d1 : 0.f;
-            }
-            dp[4 * i + 2 * r] = d0;
-            dp[4 * i + 2 * r + 1] = d1;
-          }
-        }
+      if (flags & kPairMasked) {
+        bwd_dscores<Tr, true>(dp, s, stage_delta(stage), t);
+      } else {
+        bwd_dscores<Tr, false>(dp, s, stage_delta(stage), t);
       }
       convert_p<kBlockM, T>(dp, ds);
 
@@ -653,11 +679,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
       // dq accumulator element 4i + 2r + e is (query row 16 warp + g + 8r, head-dim column
       // 64 cw + 8i + 2t + e when split, else 8i + 2t + e). Rows past the sequence get nothing.
-      float* const dq_head =
-          args.dq_accum + dq_offset + (Tr::kDqSplitD ? cw * Tr::kDqColBase : 0) + 2 * t;
+      // The thread's position is re-read here (volatile) so that the compiler computes these
+      // addresses now, when s and dP^T are dead, instead of keeping them live across the loop.
+      const int ctid = fresh_thread_index() - 128;
+      const int dq_lane = ctid % 32;
+      float* const dq_head = args.dq_accum + dq_offset +
+                             (Tr::kDqSplitD ? (ctid / 128) * Tr::kDqColBase : 0) +
+                             2 * (dq_lane % 4);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int q = warp * 16 + g + 8 * r;
+        const int q = (ctid % 128) / 32 * 16 + dq_lane / 4 + 8 * r;
         if (q < rows) {
           float* const dq_row = dq_head + static_cast<int64_t>(q) * args.heads_q * kD;
 #pragma unroll
