@@ -157,16 +157,17 @@ struct BwdCtaTile {
   int empty;    // the tile holds no key of its span: the CTA has nothing to do
 };
 
+// The CTA's work for block index `cta` of the grid (key tiles of one kv head fastest).
 template <int kBlockM, int kBlockN>
-__device__ __forceinline__ BwdCtaTile bwd_cta_tile(const BwdWgmmaArgs& args, const Band& band,
-                                                   bool segments) {
-  const int64_t tile = static_cast<int>(blockIdx.x) % args.tiles;
+JF_HOST_DEVICE BwdCtaTile bwd_cta_tile(const BwdWgmmaArgs& args, const Band& band, bool segments,
+                                       int cta) {
+  const int64_t tile = cta % args.tiles;
   const SeqTile st = args.layout.tile(tile, kBlockN, true);
   BwdCtaTile ct;
   ct.span = st.span;
   ct.mask = band.for_seq(st.span.len_q, st.span.len_k);
   ct.kv_range = IdRange{0, 0};
-  ct.head_kv = static_cast<int>(blockIdx.x) / args.tiles;
+  ct.head_kv = cta / args.tiles;
   ct.empty = st.empty(kBlockN, true) ? 1 : 0;
   ct.n0 = 0;
   ct.m_first = 0;
@@ -186,6 +187,36 @@ __device__ __forceinline__ BwdCtaTile bwd_cta_tile(const BwdWgmmaArgs& args, con
     ct.kv_range = id_range(args.segments.kv_ranges + st.span.batch * chunks * 2, n0, n1);
   }
   return ct;
+}
+
+// The producer's decision for the pair of query tile m0 (a block of the CTA's row range) and
+// the CTA's key tile: its header's `rows` and `flags`, or flags = -1 when no query of the tile
+// sees a key of the key tile (segment ids disjoint). Masking is needed where the band does not
+// cover the whole pair or the key tile runs past the sequence (tile_full), or where the segment
+// ids are not one and the same on both sides. `q_ranges` points at the batch row's chunk ranges
+// (segments only).
+struct BwdPair {
+  int rows;
+  int flags;
+};
+
+template <int kBlockM, int kBlockN>
+JF_HOST_DEVICE BwdPair bwd_pair(const BwdCtaTile& ct, int m0, bool segments,
+                                const int32_t* q_ranges, bool varlen) {
+  BwdPair pr;
+  pr.rows = ct.span.len_q - m0 < kBlockM ? static_cast<int>(ct.span.len_q - m0) : kBlockM;
+  pr.flags = ct.mask.tile_full(m0, m0 + pr.rows, ct.n0, ct.n0 + kBlockN) ? 0 : kPairMasked;
+  if (segments) {
+    const IdRange q_range = id_range(q_ranges, m0, m0 + pr.rows);
+    if (q_range.disjoint(ct.kv_range)) {
+      pr.flags = -1;
+      return pr;
+    }
+    if (!q_range.same_single(ct.kv_range)) pr.flags |= kPairMasked | kPairSegments;
+  }
+  // Only a packed sequence's neighbour rows are real data; dense tails read as zeros.
+  if (varlen && pr.rows < kBlockM) pr.flags |= kPairZeroRows;
+  return pr;
 }
 
 #if JAX_FLASH_SM90A
@@ -390,8 +421,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const bool segments = kMasked && args.segments.enabled();
 
   if (threadIdx.x == 0) {
-    // The 32 lanes of the producer warp arrive after writing the keys' segment ids; lane 0's
-    // arrival also carries the TMA byte count.
+    // K / V: the 32 lanes of the producer warp arrive after writing the keys' segment ids.
     mbar_init(bar_kv, 32);
     for (int s = 0; s < kStages; ++s) {
       // The 32 lanes of the producer warp arrive after writing lse / delta; lane 0's arrival
@@ -404,7 +434,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       mbar_init(bar_empty(s), 128 * Tr::kConsumerWarpgroups);
     }
     fence_barrier_init();
-    *cta_tile = bwd_cta_tile<kBlockM, kBlockN>(args, band, segments);
+    *cta_tile = bwd_cta_tile<kBlockM, kBlockN>(args, band, segments, static_cast<int>(blockIdx.x));
   }
   __syncthreads();
   if (cta_tile->empty) return;
@@ -451,18 +481,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     for (int it = 0; it < n_iters; ++it) {
       const int head = ct.head_kv * args.group + it / ct.num_m;
       const int m0 = (ct.m_first + it % ct.num_m) * kBlockM;
-      const int rows =
-          ct.span.len_q - m0 < kBlockM ? static_cast<int>(ct.span.len_q - m0) : kBlockM;
-      int flags = ct.mask.tile_full(m0, m0 + rows, ct.n0, ct.n0 + kBlockN) ? 0 : kPairMasked;
-      if (segments) {
-        const int64_t chunks = (args.seg_stride_q + kSegmentChunk - 1) / kSegmentChunk;
-        const IdRange q_range =
-            id_range(args.segments.q_ranges + ct.span.batch * chunks * 2, m0, m0 + rows);
-        if (q_range.disjoint(ct.kv_range)) continue;
-        if (!q_range.same_single(ct.kv_range)) flags |= kPairMasked | kPairSegments;
-      }
-      // Only a packed sequence's neighbour rows are real data; dense tails read as zeros.
-      if (varlen && rows < kBlockM) flags |= kPairZeroRows;
+      const int64_t q_chunks = (args.seg_stride_q + kSegmentChunk - 1) / kSegmentChunk;
+      const int32_t* const q_ranges =
+          segments ? args.segments.q_ranges + ct.span.batch * q_chunks * 2 : nullptr;
+      const BwdPair pr = bwd_pair<kBlockM, kBlockN>(ct, m0, segments, q_ranges, varlen);
+      if (pr.flags < 0) continue;
+      const int rows = pr.rows;
+      const int flags = pr.flags;
 
       const int stage = slot % kStages;
       if (slot >= kStages) mbar_wait(bar_empty(stage), ((slot / kStages) + 1) & 1);
