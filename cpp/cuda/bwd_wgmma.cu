@@ -47,6 +47,11 @@ bool params_supported(const BwdParams& p, DType dtype) {
   if (p.head_dim != 64 && p.head_dim != 128) return false;
   if (l.heads_q != p.heads_q) return false;
   if (!std::isfinite(p.mask.softcap) || p.mask.softcap < 0.0) return false;
+  // The kernel multiplies q.k by softmax_scale / softcap in float32.
+  if (p.mask.softcap > 0.0 && !(p.softmax_scale / p.mask.softcap <
+                                static_cast<double>(std::numeric_limits<float>::max()))) {
+    return false;
+  }
   if (l.varlen()) {
     if (l.cu_seqlens_k == nullptr || l.num_seqs < 0 || l.total_q < 0 || l.total_k < 0) {
       return false;
