@@ -421,7 +421,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const bool segments = kMasked && args.segments.enabled();
 
   if (threadIdx.x == 0) {
-    // K / V: the 32 lanes of the producer warp arrive after writing the keys' segment ids.
+    // K / V: lane 0 of the producer warp with the TMA byte count, lanes 1..31 after writing the
+    // keys' segment ids.
     mbar_init(bar_kv, 32);
     for (int s = 0; s < kStages; ++s) {
       // The 32 lanes of the producer warp arrive after writing lse / delta; lane 0's arrival
@@ -469,14 +470,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         tma_load_4d(v_smem + p * Tr::kKVPanelBytes, &tm_v, bar_kv, p * Tr::kPanelCols, ct.head_kv,
                     k_row, tma_batch());
       }
-    }
-    if (segments) {
-      const int32_t* const ids = args.segments.kv_ids + ct.span.batch * args.seg_stride_k + ct.n0;
-      for (int c = lane; c < kBlockN; c += 32) {
-        kvid_s[c] = ct.n0 + c < ct.span.len_k ? ids[c] : 0;
+    } else {
+      // Lanes 1..31 write the keys' segment ids before their arrivals on bar_kv, which order the
+      // writes before the consumers' reads (lane 0 issues the TMA without waiting for them).
+      if (segments) {
+        const int32_t* const ids = args.segments.kv_ids + ct.span.batch * args.seg_stride_k + ct.n0;
+        for (int c = lane - 1; c < kBlockN; c += 31) {
+          kvid_s[c] = ct.n0 + c < ct.span.len_k ? ids[c] : 0;
+        }
       }
+      mbar_arrive(bar_kv);
     }
-    if (lane != 0) mbar_arrive(bar_kv);
     int slot = 0;
     for (int it = 0; it < n_iters; ++it) {
       const int head = ct.head_kv * args.group + it / ct.num_m;
