@@ -6,6 +6,8 @@
 // owning 64 of the 128 keys, compute
 //   S^T = K Q^T, dP^T = V dO^T                      (wgmma, both operands from shared memory)
 //   P^T = 2^(S^T scale log2e - lse log2e), dS^T = P^T (dP^T - delta)       (registers)
+//     (soft-capped: t = tanh(S^T scale / c), P^T = 2^(c log2e t - lse log2e), and dS^T gets the
+//     factor 1 - t^2 of the tanh's derivative)
 //   dV += P^T dO, dK += dS^T Q                      (wgmma, P^T / dS^T as the register operand)
 //   dQ_i += dS K                                    (wgmma, dS^T staged in shared memory)
 // and reduce dQ_i into the fp32 dq_accum with vector atomics. Head_dim 128 and 64; every step of
