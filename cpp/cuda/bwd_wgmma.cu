@@ -1,6 +1,10 @@
 // Host side of the Hopper wgmma backward: checks, TMA tensor maps, dq_accum zeroing, the
-// dtype -> causal dispatch to the kernel instantiations and the dQ conversion.
+// dtype -> head_dim -> mask -> softcap dispatch to the kernel instantiations and the dQ
+// conversion.
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "cuda/bwd_wgmma.cuh"
@@ -17,49 +21,116 @@ using sm90::BwdWgmmaTraits;
 using sm90::current_device_is_sm90;
 using sm90::encode_bshd;
 
+constexpr int kBlockM = 64;
+constexpr int kBlockN = 128;
+
+// The band as the kernels take it: a bound beyond every position means the same as kUnbounded,
+// and clamping it there keeps the shared policy's int64 arithmetic far from overflow.
+Band clamped_band(const Band& b) {
+  const auto clamp = [](int64_t x) {
+    return x < -kUnbounded ? -kUnbounded : std::min(x, kUnbounded);
+  };
+  return {clamp(b.left), clamp(b.right)};
+}
+
+// Segment ids are defined for dense batches only; everything else of MaskParams is served.
+bool features_supported(const BwdParams& p) {
+  return !(p.layout.varlen() && p.mask.segments.enabled());
+}
+
 bool params_supported(const BwdParams& p, DType dtype) {
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
-  if (!sm90::common_params_supported(p, dtype)) return false;
+  const SeqLayout& l = p.layout;
+  if (dtype != DType::kF16 && dtype != DType::kBF16) return false;
+  if (p.heads_q <= 0 || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return false;
+  if (!std::isfinite(p.softmax_scale) || p.softmax_scale <= 0.0) return false;
   if (p.head_dim != 64 && p.head_dim != 128) return false;
-  // Positions (plus one tile) and head indices are int inside the kernel.
-  if (p.batch > kIntMax || p.seqlen_q > kIntMax - 1024 || p.seqlen_k > kIntMax - 1024 ||
-      p.heads_q > kIntMax) {
+  if (l.heads_q != p.heads_q) return false;
+  if (!std::isfinite(p.mask.softcap) || p.mask.softcap < 0.0) return false;
+  // The kernel multiplies q.k by softmax_scale / softcap in float32.
+  if (p.mask.softcap > 0.0 && !(p.softmax_scale / p.mask.softcap <
+                                static_cast<double>(std::numeric_limits<float>::max()))) {
     return false;
   }
-  const int64_t n_blocks = (p.seqlen_k + 127) / 128;
-  const int64_t m_blocks = (p.seqlen_q + 63) / 64;
-  if (n_blocks * p.heads_kv * p.batch > kIntMax) return false;
-  if (m_blocks * (p.heads_q / p.heads_kv) > kIntMax) return false;
-  const bool empty = p.batch == 0 || p.seqlen_q == 0 || p.seqlen_k == 0;
-  if (empty) return true;
-  if (!p.q || !p.k || !p.v || !p.dout || !p.lse || !p.delta || !p.dq || !p.dk || !p.dv ||
-      !p.dq_accum) {
+  if (l.varlen()) {
+    if (l.cu_seqlens_k == nullptr || l.num_seqs < 0 || l.total_q < 0 || l.total_k < 0) {
+      return false;
+    }
+  } else if (l.batch < 0 || l.seqlen_q < 0 || l.seqlen_k < 0) {
     return false;
   }
-  // TMA sources need 16-byte alignment; dq_accum takes 8-byte vector reductions, dQ 8-byte and
-  // dK/dV 4-byte stores.
-  return aligned(p.q, 16) && aligned(p.k, 16) && aligned(p.v, 16) && aligned(p.dout, 16) &&
-         aligned(p.dq_accum, 16) && aligned(p.dq, 8) && aligned(p.dk, 4) && aligned(p.dv, 4);
+  const SegmentIds& seg = p.mask.segments;
+  if (seg.enabled() && (!seg.kv_ids || !seg.q_ranges || !seg.kv_ranges)) return false;
+  // Rows (plus one tile) are int TMA coordinates and positions inside the kernel; head indices
+  // and the grid are int.
+  const int64_t rows_q = l.rows_q();
+  const int64_t rows_k = l.rows_k();
+  if (rows_q > kIntMax - 1024 || rows_k > kIntMax - 1024 || p.heads_q > kIntMax) return false;
+  if (!l.varlen() && l.batch > kIntMax) return false;
+  if (l.varlen() && l.num_seqs > kIntMax - 1024) return false;
+  const int64_t tiles = l.tiles(kBlockN, true);
+  if (tiles * p.heads_kv > kIntMax) return false;
+  // Query tiles of one sequence times the GQA group: the producer's loop count.
+  const int64_t max_len_q = l.varlen() ? l.total_q : l.seqlen_q;
+  if ((max_len_q / kBlockM + 2) * (p.heads_q / p.heads_kv) > kIntMax) return false;
+  // Pointers and alignment of what the call reads or writes: TMA sources need 16 bytes,
+  // dq_accum takes 8-byte vector reductions (and dq_convert 16-byte loads), dQ 8-byte and dK/dV
+  // 4-byte stores.
+  if (rows_q > 0) {
+    if (!p.q || !p.dout || !p.lse || !p.delta || !p.dq || !p.dq_accum) return false;
+    if (!aligned(p.q, 16) || !aligned(p.dout, 16) || !aligned(p.dq_accum, 16) ||
+        !aligned(p.dq, 8)) {
+      return false;
+    }
+  }
+  if (rows_k > 0) {
+    if (!p.k || !p.v || !p.dk || !p.dv) return false;
+    if (!aligned(p.k, 16) || !aligned(p.v, 16) || !aligned(p.dk, 4) || !aligned(p.dv, 4)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Dense calls get 4-D maps over [batch, seqlen, heads, D], whose rows past a sequence read as
+// zeros; packed calls [rows, heads, D] views (batch 1), whose rows past a sequence are the
+// neighbour's and are zeroed by the kernel.
+bool encode(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, const SeqLayout& l,
+            bool keys, int64_t heads, int64_t head_dim, int box_rows) {
+  if (l.varlen()) {
+    return encode_bshd(map, type, ptr, 1, keys ? l.total_k : l.total_q, heads, head_dim, box_rows);
+  }
+  return encode_bshd(map, type, ptr, l.batch, keys ? l.seqlen_k : l.seqlen_q, heads, head_dim,
+                     box_rows);
 }
 
 // Zeroes dq_accum, runs the main kernel and converts dQ, all on `stream`.
-template <typename T, int kHeadDim, bool kCausal>
+template <typename T, int kHeadDim, bool kMasked, bool kSoftcap>
 cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
-  using Tr = BwdWgmmaTraits<T, kHeadDim, kCausal>;
-  const int64_t dq_elems = p.batch * p.seqlen_q * p.heads_q * Tr::kD;
+  using Tr = BwdWgmmaTraits<T, kHeadDim, kMasked, kSoftcap>;
+  static_assert(Tr::kBlockM == kBlockM && Tr::kBlockN == kBlockN);
+  const SeqLayout& l = p.layout;
+  const int64_t dq_elems = l.rows_q() * p.heads_q * Tr::kD;
   if (const cudaError_t err = zero_dq_accum(p.dq_accum, dq_elems, stream); err != cudaSuccess) {
     return err;
   }
 
-  const int64_t n_blocks = (p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN;
-  const int64_t grid = n_blocks * p.heads_kv * p.batch;
-  // With seqlen_q = 0 the kernel still runs to write zero dK and dV; its Q / dO maps go unread.
-  if (grid > 0) {
+  const int64_t tiles = l.tiles(Tr::kBlockN, true);
+  const int64_t grid = tiles * p.heads_kv;
+  // Without keys there is no dK / dV row to write. Without queries the kernel still runs to
+  // write zero dK and dV; its Q / dO maps go unread (and are left blank: their pointers may be
+  // null).
+  if (grid > 0 && l.rows_k() > 0) {
     CUtensorMap tm_q, tm_k, tm_v, tm_do;
-    if (!encode_bshd(&tm_q, type, p.q, p.batch, p.seqlen_q, p.heads_q, Tr::kD, Tr::kBlockM) ||
-        !encode_bshd(&tm_do, type, p.dout, p.batch, p.seqlen_q, p.heads_q, Tr::kD, Tr::kBlockM) ||
-        !encode_bshd(&tm_k, type, p.k, p.batch, p.seqlen_k, p.heads_kv, Tr::kD, Tr::kBlockN) ||
-        !encode_bshd(&tm_v, type, p.v, p.batch, p.seqlen_k, p.heads_kv, Tr::kD, Tr::kBlockN)) {
+    std::memset(&tm_q, 0, sizeof(tm_q));
+    std::memset(&tm_do, 0, sizeof(tm_do));
+    if (l.rows_q() > 0 &&
+        (!encode(&tm_q, type, p.q, l, false, p.heads_q, Tr::kD, Tr::kBlockM) ||
+         !encode(&tm_do, type, p.dout, l, false, p.heads_q, Tr::kD, Tr::kBlockM))) {
+      return cudaErrorInvalidValue;
+    }
+    if (!encode(&tm_k, type, p.k, l, true, p.heads_kv, Tr::kD, Tr::kBlockN) ||
+        !encode(&tm_v, type, p.v, l, true, p.heads_kv, Tr::kD, Tr::kBlockN)) {
       return cudaErrorInvalidValue;
     }
     BwdWgmmaArgs args;
@@ -68,16 +139,20 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
     args.dq_accum = p.dq_accum;
     args.dk = p.dk;
     args.dv = p.dv;
-    args.seqlen_q = static_cast<int>(p.seqlen_q);
-    args.seqlen_k = static_cast<int>(p.seqlen_k);
+    args.layout = l;
+    args.band = clamped_band(p.mask.band);
+    args.segments = p.mask.segments;
+    args.seg_stride_q = l.seqlen_q;
+    args.seg_stride_k = l.seqlen_k;
     args.heads_q = static_cast<int>(p.heads_q);
     args.heads_kv = static_cast<int>(p.heads_kv);
     args.group = static_cast<int>(p.heads_q / p.heads_kv);
-    args.n_blocks = static_cast<int>(n_blocks);
-    args.m_blocks = static_cast<int>((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
-    args.causal_offset = static_cast<int>(p.seqlen_k - p.seqlen_q);
+    args.tiles = static_cast<int>(tiles);
     args.scale = static_cast<float>(p.softmax_scale);
     args.scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
+    const double cap = p.mask.softcap;
+    args.softcap_scale = kSoftcap ? static_cast<float>(p.softmax_scale / cap) : 0.f;
+    args.softcap_log2 = kSoftcap ? static_cast<float>(cap * 1.4426950408889634) : 0.f;
 
     const auto kernel = sm90::bwd_wgmma_kernel<Tr>;
     cudaError_t err =
@@ -92,28 +167,35 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
   return convert_dq<T>(p.dq_accum, p.dq, dq_elems, p.softmax_scale, stream);
 }
 
+// kMasked unless the band is unbounded and there are no segment ids; kSoftcap when capping.
 template <typename T, int kHeadDim>
-cudaError_t dispatch_causal(const BwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
-  return p.causal ? launch<T, kHeadDim, true>(p, type, stream)
-                  : launch<T, kHeadDim, false>(p, type, stream);
+cudaError_t dispatch_mask(const BwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
+  const bool masked = !p.mask.band.unbounded() || p.mask.segments.enabled();
+  const bool softcap = p.mask.softcap > 0.0;
+  if (masked) {
+    return softcap ? launch<T, kHeadDim, true, true>(p, type, stream)
+                   : launch<T, kHeadDim, true, false>(p, type, stream);
+  }
+  return softcap ? launch<T, kHeadDim, false, true>(p, type, stream)
+                 : launch<T, kHeadDim, false, false>(p, type, stream);
 }
 
 template <typename T>
 cudaError_t dispatch_head_dim(const BwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
-  return p.head_dim == 64 ? dispatch_causal<T, 64>(p, type, stream)
-                          : dispatch_causal<T, 128>(p, type, stream);
+  return p.head_dim == 64 ? dispatch_mask<T, 64>(p, type, stream)
+                          : dispatch_mask<T, 128>(p, type, stream);
 }
 
 }  // namespace
 
 bool bwd_wgmma_supported(const BwdParams& params, DType dtype) {
-  return params_supported(params, dtype) && current_device_is_sm90();
+  return features_supported(params) && params_supported(params, dtype) && current_device_is_sm90();
 }
 
 cudaError_t bwd_wgmma(const BwdParams& params, DType dtype, cudaStream_t stream) {
-  if (!current_device_is_sm90()) return cudaErrorNotSupported;
+  if (!current_device_is_sm90() || !features_supported(params)) return cudaErrorNotSupported;
   if (!params_supported(params, dtype)) return cudaErrorInvalidValue;
-  if (params.batch == 0) return cudaSuccess;
+  if (params.layout.rows_q() == 0 && params.layout.rows_k() == 0) return cudaSuccess;
   if (dtype == DType::kBF16) {
     return dispatch_head_dim<__nv_bfloat16>(params, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream);
   }

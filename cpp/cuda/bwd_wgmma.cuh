@@ -1,10 +1,13 @@
 // FlashAttention backward for Hopper (sm_90a) on warpgroup MMA, after the FlashAttention-3
-// paper's backward. One CTA per (128-key tile, kv head, batch):
+// paper's backward. One CTA per (128-key tile, kv head) of the tile scheduler (common/schedule.h):
 // K_j and V_j are loaded once by TMA; a producer warp streams Q_i, dO_i (TMA) and lse_i, delta_i
-// (plain loads) of every query tile of every query head of the GQA group through a two-stage
-// ring guarded by mbarriers; two consumer warpgroups, each owning 64 of the 128 keys, compute
+// (plain loads) of every query tile that the mask lets see the key tile, for every query head of
+// the GQA group, through a two-stage ring guarded by mbarriers; two consumer warpgroups, each
+// owning 64 of the 128 keys, compute
 //   S^T = K Q^T, dP^T = V dO^T                      (wgmma, both operands from shared memory)
 //   P^T = 2^(S^T scale log2e - lse log2e), dS^T = P^T (dP^T - delta)       (registers)
+//     (soft-capped: t = tanh(S^T scale / c), P^T = 2^(c log2e t - lse log2e), and dS^T gets the
+//     factor 1 - t^2 of the tanh's derivative)
 //   dV += P^T dO, dK += dS^T Q                      (wgmma, P^T / dS^T as the register operand)
 //   dQ_i += dS K                                    (wgmma, dS^T staged in shared memory)
 // and reduce dQ_i into the fp32 dq_accum with vector atomics. Head_dim 128 and 64; every step of
@@ -14,37 +17,54 @@
 // across the whole loop and P^T, dS^T are already in the register-operand layout of the dV/dK
 // GEMMs.
 //
+// Masks (common/mask.h) are decided once per (query tile, key tile) pair by the producer, which
+// skips the pairs no query of which sees a key (outside the band's row range, disjoint segment
+// ids) and hands each visited pair to the consumers in a small header beside its lse / delta:
+// whether it needs element masking and the TileMask to apply. The consumers follow the headers,
+// so both roles walk the same sequence of pairs by construction; an end header closes it.
+//
 // Shared-memory tiles use the forward's 128-byte-swizzled panel layout (cuda/fwd_wgmma.cuh,
 // whose PTX wrappers, descriptors and barrier helpers this file reuses).
 #pragma once
 
+#include "common/mask.h"
+#include "common/schedule.h"
 #include "cuda/fwd_wgmma.cuh"
 
 namespace jax_flash::cuda::sm90 {
 
 struct BwdWgmmaArgs {
-  const float* lse;    // [batch, heads_q, seqlen_q], natural log
-  const float* delta;  // [batch, heads_q, seqlen_q]
-  float* dq_accum;     // [batch, seqlen_q, heads_q, D], unscaled dS K sums
-  void* dk;            // [batch, seqlen_k, heads_kv, D]
+  const float* lse;    // dense [batch, heads_q, seqlen_q], packed [heads_q, total_q]; natural log
+  const float* delta;  // same layout as lse
+  float* dq_accum;     // [rows_q, heads_q, D], unscaled dS K sums
+  void* dk;            // [rows_k, heads_kv, D]
   void* dv;
-  int seqlen_q;
-  int seqlen_k;
+  SeqLayout layout;
+  Band band;             // unbounded in the kernels without kMasked
+  SegmentIds segments;   // dense only; enabled only in the kernels with kMasked
+  int64_t seg_stride_q;  // layout.seqlen_q: per-batch stride of q_ids
+  int64_t seg_stride_k;  // layout.seqlen_k
   int heads_q;
   int heads_kv;
-  int group;          // heads_q / heads_kv
-  int n_blocks;       // ceil(seqlen_k / kBlockN)
-  int m_blocks;       // ceil(seqlen_q / kBlockM)
-  int causal_offset;  // seqlen_k - seqlen_q: query i sees key j iff j <= i + causal_offset
+  int group;  // heads_q / heads_kv
+  int tiles;  // layout.tiles(kBlockN, true): key tiles of one kv head
   float scale;
   float scale_log2;
+  // Soft-capping, as the forward computes it: t = tanh(x * softcap_scale) for the raw product
+  // x = q.k, score in log2 units softcap_log2 * t (kSoftcap kernels only).
+  float softcap_scale;  // softmax_scale / softcap
+  float softcap_log2;   // softcap * log2(e)
 };
 
-template <typename T, int kHeadDim, bool kCausal>
+// kMasked: the band has a finite bound or segment ids are given, so tile pairs inside a sequence
+// may be skipped or need element masking (without it only the end of a sequence is masked).
+// kSoftcap: logit soft-capping.
+template <typename T, int kHeadDim, bool kMasked, bool kSoftcap>
 struct BwdWgmmaTraits {
   using Element = T;
   static constexpr int kD = kHeadDim;
-  static constexpr bool kIsCausal = kCausal;
+  static constexpr bool kIsMasked = kMasked;
+  static constexpr bool kIsSoftcap = kSoftcap;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
   // Keys per CTA (64 per consumer warpgroup: the M extent of one wgmma) and queries per tile.
@@ -73,8 +93,10 @@ struct BwdWgmmaTraits {
   static constexpr int kQStageBytes = kQPanelBytes * kPanels;
   // dS^T of one query tile: kBlockN key rows of kBlockM queries (one 128-byte panel).
   static constexpr int kDsBytes = kBlockN * kRowBytes;
-  // lse * log2(e) then delta, kBlockM floats each, per stage.
-  static constexpr int kRowStatBytes = 2 * kBlockM * 4;
+  // Per stage: lse * log2(e), delta and the query segment ids (kBlockM 4-byte values each), then
+  // the pair's header (BwdPairHeader).
+  static constexpr int kHeaderBytes = 32;
+  static constexpr int kRowStatBytes = 3 * kBlockM * 4 + kHeaderBytes;
 
   static constexpr int kKOffset = 0;
   static constexpr int kVOffset = kKOffset + kKVBytes;
@@ -85,34 +107,129 @@ struct BwdWgmmaTraits {
   static constexpr int kBarOffset = kStatOffset + kStages * kRowStatBytes;
   // mbarriers: K/V full, then full and empty per stage.
   static constexpr int kNumBarriers = 1 + 2 * kStages;
-  static constexpr int kSmemBytes = kBarOffset + 8 * kNumBarriers + 1024;
+  // The CTA's tile (BwdCtaTile), written once by thread 0.
+  static constexpr int kTileOffset = kBarOffset + 8 * kNumBarriers;
+  static constexpr int kTileBytes = 128;
+  // Segment ids of the tile's keys (kBlockN ints), written by the producer warp.
+  static constexpr int kKvIdOffset = kTileOffset + kTileBytes;
+  static constexpr int kSmemBytes = kKvIdOffset + kBlockN * 4 + 1024;
 
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>);
   static_assert(kD == 64 || kD == 128, "head_dim 64 and 128 only");
   static_assert(kBlockM * 2 == kRowBytes, "dS^T rows must be exactly one swizzle span");
   static_assert(kKVPanelBytes % 1024 == 0 && kQPanelBytes % 1024 == 0 && kDsBytes % 1024 == 0);
+  static_assert(kRowStatBytes % 16 == 0, "headers are read as 16-byte vectors");
+  static_assert(kBlockM % kSegmentChunk == 0 && kBlockN % kSegmentChunk == 0);
   static_assert(kSmemBytes <= 227 * 1024);
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWarpgroups <= 65536);
 };
 
-// Named barriers (id 0 is __syncthreads): dS^T written, for both consumer warpgroups together
-// (head_dim 128) or for each alone (head_dim 64, ids 2 and 3).
-inline constexpr int kBwdBarDs = 1;
+// Named barriers (id 0 is __syncthreads): both consumer warpgroups together (dS^T written with
+// head_dim 128; zeroed rows of a packed sequence's boundary tile), and each consumer warpgroup
+// alone (dS^T written with head_dim 64, ids 2 and 3).
+inline constexpr int kBwdBarConsumers = 1;
 inline constexpr int kBwdBarDsOwnBase = 2;
 
-// Causal: the first query row that sees key n0 is n0 - causal_offset; query tiles before it are
-// skipped. Returns m_blocks when no query row sees the tile.
-template <bool kCausal, int kBlockM>
-__device__ __forceinline__ int bwd_first_m_block(const BwdWgmmaArgs& args, int n0) {
-  if constexpr (kCausal) {
-    const int first_row = n0 - args.causal_offset;
-    if (first_row >= args.seqlen_q) return args.m_blocks;
-    if (first_row > 0) return first_row / kBlockM;
+// What the producer tells the consumers about one visited (query tile, key tile) pair.
+struct BwdPairHeader {
+  int64_t dq_offset;  // element offset of (first query row, head) in dq_accum
+  int rows;           // query rows of the tile inside the sequence (1..kBlockM)
+  int flags;          // kPair* bits
+  TileMask mask;      // query row r sees key column c iff mask.visible(r, c) (kPairMasked)
+  int pad;
+};
+static_assert(sizeof(BwdPairHeader) == 32);
+
+inline constexpr int kPairEnd = 1;       // no more pairs: the consumers leave the loop
+inline constexpr int kPairMasked = 2;    // apply mask (band, end of the sequence's keys)
+inline constexpr int kPairSegments = 4;  // ... and q_id == kv_id (ids in the stage)
+inline constexpr int kPairZeroRows = 8;  // rows >= `rows` of Q and dO are a neighbour's: zero them
+
+// The key tile of one CTA, the query tiles it visits (before segment skipping) and what the
+// producer asks of the mask for each, computed once by thread 0 and read by all from shared
+// memory: re-reading it where it is needed keeps the 24-register producer from spilling.
+struct BwdCtaTile {
+  SeqSpan span;
+  SeqMask mask;      // the band of the span's sequence
+  IdRange kv_range;  // segment ids of the tile's keys (segments only)
+  int head_kv;
+  int n0;       // first key of the tile, sequence-local
+  int m_first;  // first query tile (block index) whose rows may see a key of the tile
+  int num_m;    // query tiles from m_first on that may
+  int empty;    // the tile holds no key of its span: the CTA has nothing to do
+};
+
+// The CTA's work for block index `cta` of the grid (key tiles of one kv head fastest).
+template <int kBlockM, int kBlockN>
+JF_HOST_DEVICE BwdCtaTile bwd_cta_tile(const BwdWgmmaArgs& args, const Band& band, bool segments,
+                                       int cta) {
+  const int64_t tile = cta % args.tiles;
+  const SeqTile st = args.layout.tile(tile, kBlockN, true);
+  BwdCtaTile ct;
+  ct.span = st.span;
+  ct.mask = band.for_seq(st.span.len_q, st.span.len_k);
+  ct.kv_range = IdRange{0, 0};
+  ct.head_kv = cta / args.tiles;
+  ct.empty = st.empty(kBlockN, true) ? 1 : 0;
+  ct.n0 = 0;
+  ct.m_first = 0;
+  ct.num_m = 0;
+  if (ct.empty) return ct;
+  const int64_t n0 = st.block * kBlockN;
+  const int64_t n1 = n0 + kBlockN < st.span.len_k ? n0 + kBlockN : st.span.len_k;
+  const int64_t r0 = ct.mask.row_begin(n0);
+  const int64_t r1 = ct.mask.row_end(n1);
+  ct.n0 = static_cast<int>(n0);
+  if (r1 > r0) {
+    ct.m_first = static_cast<int>(r0 / kBlockM);
+    ct.num_m = static_cast<int>((r1 + kBlockM - 1) / kBlockM - r0 / kBlockM);
   }
-  return 0;
+  if (segments) {
+    const int64_t chunks = (args.seg_stride_k + kSegmentChunk - 1) / kSegmentChunk;
+    ct.kv_range = id_range(args.segments.kv_ranges + st.span.batch * chunks * 2, n0, n1);
+  }
+  return ct;
+}
+
+// The producer's decision for the pair of query tile m0 (a block of the CTA's row range) and
+// the CTA's key tile: its header's `rows` and `flags`, or flags = -1 when no query of the tile
+// sees a key of the key tile (segment ids disjoint). Masking is needed where the band does not
+// cover the whole pair or the key tile runs past the sequence (tile_full), or where the segment
+// ids are not one and the same on both sides. `q_ranges` points at the batch row's chunk ranges
+// (segments only).
+struct BwdPair {
+  int rows;
+  int flags;
+};
+
+template <int kBlockM, int kBlockN>
+JF_HOST_DEVICE BwdPair bwd_pair(const BwdCtaTile& ct, int m0, bool segments,
+                                const int32_t* q_ranges, bool varlen) {
+  BwdPair pr;
+  pr.rows = ct.span.len_q - m0 < kBlockM ? static_cast<int>(ct.span.len_q - m0) : kBlockM;
+  pr.flags = ct.mask.tile_full(m0, m0 + pr.rows, ct.n0, ct.n0 + kBlockN) ? 0 : kPairMasked;
+  if (segments) {
+    const IdRange q_range = id_range(q_ranges, m0, m0 + pr.rows);
+    if (q_range.disjoint(ct.kv_range)) {
+      pr.flags = -1;
+      return pr;
+    }
+    if (!q_range.same_single(ct.kv_range)) pr.flags |= kPairMasked | kPairSegments;
+  }
+  // Only a packed sequence's neighbour rows are real data; dense tails read as zeros.
+  if (varlen && pr.rows < kBlockM) pr.flags |= kPairZeroRows;
+  return pr;
 }
 
 #if JAX_FLASH_SM90A
+
+// tanh on the special-function unit: the forward's soft-capping uses the same instruction, so
+// that both passes see the same scores.
+__device__ __forceinline__ float bwd_tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // dQ = dS K: A = dS (M = queries) and B = K (N = head_dim) are both MN-major in shared memory
 // (imm-trans-a = imm-trans-b = 1), m64n64k16.
@@ -142,11 +259,122 @@ __device__ __forceinline__ void wgmma_ss_n64_trans(float (&d)[32], uint64_t desc
 #undef BW_WGMMA_TT64
 #undef BW_F8
 
+// threadIdx.x through a volatile read, which the compiler can neither hoist nor merge with
+// others: values derived from it are computed where they are used, not kept live in registers.
+__device__ __forceinline__ int fresh_thread_index() {
+  int tid;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+  return tid;
+}
+
+// Zeroes rows [row0, kRows) of kTensors swizzled tiles (kPanels panels of kRows 128-byte rows,
+// kTensorStride bytes apart), one 16-byte chunk per store, over the 256 consumer threads. The
+// swizzle only permutes the chunks inside a row, so whole rows are zeroed regardless of it. The
+// thread index is read afresh so that this rare path's addresses are not kept live.
+template <int kRows, int kPanels, int kTensors, int kTensorStride>
+__device__ __forceinline__ void zero_tile_rows(uint8_t* tile, int row0) {
+  constexpr int kThreads = 256;
+  constexpr int kRowsPerPass = kThreads / (8 * kPanels);
+  const int thread = fresh_thread_index() - 128;
+  uint8_t* const at = tile + (thread / 8 % kPanels) * kRows * 128 + (thread % 8) * 16;
+  for (int row = row0 + thread / (8 * kPanels); row < kRows; row += kRowsPerPass) {
+#pragma unroll
+    for (int x = 0; x < kTensors; ++x) {
+      *reinterpret_cast<uint4*>(at + x * kTensorStride + row * 128) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+}
+
+// P^T of one pair from S^T (both in s on entry): accumulator element 4i + 2r + e is (key row
+// g + 8r, query column 8i + 2t + e), i.e. tile-local key `key` + 8r and query 8i + 2t + e. On exit
+// s holds the factor of dS, P or P (1 - t^2) with soft-capping, and p the 16-bit P packed as it
+// is computed into the register fragments of the dV GEMM (k16 step i / 2, register
+// 2 (i % 2) + r: the layout convert_p produces). With kMask, elements the TileMask (or, with
+// `seg`, the segment ids) hides are selected to 0, never multiplied, so a NaN there cannot leak.
+template <class Tr, bool kMask>
+__device__ __forceinline__ void bwd_probs(float (&s)[Tr::kBlockM / 2],
+                                          uint32_t (&p)[Tr::kBlockM / 16][4], const float* lse_s,
+                                          const int* qid_s, const TileMask& tm, bool seg,
+                                          const int* kvid_s, int key, int t,
+                                          const BwdWgmmaArgs& args) {
+  using T = typename Tr::Element;
+#pragma unroll
+  for (int i = 0; i < Tr::kBlockM / 8; ++i) {
+    const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * i + 2 * t);
+    int2 qid = make_int2(0, 0);
+    if (kMask && seg) qid = *reinterpret_cast<const int2*>(qid_s + 8 * i + 2 * t);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float p0, p1, w0, w1;
+      const float x0 = s[4 * i + 2 * r];
+      const float x1 = s[4 * i + 2 * r + 1];
+      if constexpr (Tr::kIsSoftcap) {
+        const float t0 = bwd_tanh_approx(x0 * args.softcap_scale);
+        const float t1 = bwd_tanh_approx(x1 * args.softcap_scale);
+        p0 = tc::fast_exp2(fmaf(args.softcap_log2, t0, -l2.x));
+        p1 = tc::fast_exp2(fmaf(args.softcap_log2, t1, -l2.y));
+        w0 = p0 * fmaf(-t0, t0, 1.f);
+        w1 = p1 * fmaf(-t1, t1, 1.f);
+      } else {
+        p0 = tc::fast_exp2(fmaf(x0, args.scale_log2, -l2.x));
+        p1 = tc::fast_exp2(fmaf(x1, args.scale_log2, -l2.y));
+        w0 = p0;
+        w1 = p1;
+      }
+      if constexpr (kMask) {
+        const int kc = key + 8 * r;
+        const int q = 8 * i + 2 * t;
+        bool v0 = tm.visible(q, kc);
+        bool v1 = tm.visible(q + 1, kc);
+        if (seg) {
+          const int kv_id = kvid_s[kc];
+          v0 = v0 && qid.x == kv_id;
+          v1 = v1 && qid.y == kv_id;
+        }
+        p0 = v0 ? p0 : 0.f;
+        p1 = v1 ? p1 : 0.f;
+        w0 = v0 ? w0 : 0.f;
+        w1 = v1 ? w1 : 0.f;
+      }
+      s[4 * i + 2 * r] = w0;
+      s[4 * i + 2 * r + 1] = w1;
+      p[i / 2][2 * (i % 2) + r] = tc::pack2<T>(p0, p1);
+    }
+  }
+}
+
+// dS^T = P^T (dP^T - delta) in place of dP^T, delta broadcast along the key rows, with w (the
+// factor bwd_probs left in s) for P^T. With kMask every masked element has w = 0 and is selected
+// to 0, since dP^T there may come from a neighbour's V rows; a visible element whose P
+// underflowed to 0 gets 0 either way.
+template <class Tr, bool kMask>
+__device__ __forceinline__ void bwd_dscores(float (&dp)[Tr::kBlockM / 2],
+                                            const float (&w)[Tr::kBlockM / 2], const float* delta_s,
+                                            int t) {
+#pragma unroll
+  for (int i = 0; i < Tr::kBlockM / 8; ++i) {
+    const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * i + 2 * t);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float w0 = w[4 * i + 2 * r];
+      const float w1 = w[4 * i + 2 * r + 1];
+      float d0 = w0 * (dp[4 * i + 2 * r] - dl.x);
+      float d1 = w1 * (dp[4 * i + 2 * r + 1] - dl.y);
+      if constexpr (kMask) {
+        d0 = w0 != 0.f ? d0 : 0.f;
+        d1 = w1 != 0.f ? d1 : 0.f;
+      }
+      dp[4 * i + 2 * r] = d0;
+      dp[4 * i + 2 * r + 1] = d1;
+    }
+  }
+}
+
 #endif  // JAX_FLASH_SM90A
 
 // Warpgroup 0 is the producer (only its warp 0 works), warpgroups 1 and 2 the consumers.
-// blockIdx.x enumerates the key tiles of one (batch, kv head) fastest, so that CTAs running
-// together read the same Q, dO and dq_accum rows from L2.
+// blockIdx.x enumerates the key tiles of one kv head fastest (sequence by sequence), so that CTAs
+// running together read the same Q, dO and dq_accum rows from L2.
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     bwd_wgmma_kernel(const BwdWgmmaArgs args, const __grid_constant__ CUtensorMap tm_q,
@@ -155,7 +383,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                      const __grid_constant__ CUtensorMap tm_do) {
 #if JAX_FLASH_SM90A
   using T = typename Tr::Element;
-  constexpr bool kCausal = Tr::kIsCausal;
+  constexpr bool kMasked = Tr::kIsMasked;
   constexpr int kD = Tr::kD;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
@@ -171,25 +399,33 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const uint32_t q_smem = base + Tr::kQOffset;
   const uint32_t do_smem = base + Tr::kDoOffset;
   const uint32_t ds_smem = base + Tr::kDsOffset;
-  float* const stats = reinterpret_cast<float*>(smem + Tr::kStatOffset);
+  uint8_t* const stats = smem + Tr::kStatOffset;
   const uint32_t bar_kv = base + Tr::kBarOffset;
   const auto bar_full = [&](int stage) { return bar_kv + 8u * (1 + stage); };
   const auto bar_empty = [&](int stage) { return bar_kv + 8u * (1 + kStages + stage); };
+  BwdCtaTile* const cta_tile = reinterpret_cast<BwdCtaTile*>(smem + Tr::kTileOffset);
+  int* const kvid_s = reinterpret_cast<int*>(smem + Tr::kKvIdOffset);
+  // lse * log2(e), delta, query segment ids and the header of stage `stage`.
+  const auto stage_lse = [&](int stage) {
+    return reinterpret_cast<float*>(stats + stage * Tr::kRowStatBytes);
+  };
+  const auto stage_delta = [&](int stage) { return stage_lse(stage) + kBlockM; };
+  const auto stage_qid = [&](int stage) {
+    return reinterpret_cast<int*>(stage_lse(stage) + 2 * kBlockM);
+  };
+  const auto stage_header = [&](int stage) {
+    return reinterpret_cast<BwdPairHeader*>(stats + stage * Tr::kRowStatBytes + 3 * kBlockM * 4);
+  };
+  // The kernels without kMasked serve only unbounded bands: a constant one lets the compiler fold
+  // the band's arithmetic.
+  const Band band = kMasked ? args.band : Band{};
 
-  const int n_block = static_cast<int>(blockIdx.x) % args.n_blocks;
-  const int bh = static_cast<int>(blockIdx.x) / args.n_blocks;
-  const int head_kv = bh % args.heads_kv;
-  const int batch = bh / args.heads_kv;
-  const int n0 = n_block * kBlockN;
-  const int m_begin = bwd_first_m_block<kCausal, kBlockM>(args, n0);
-  const int num_m = args.m_blocks - m_begin;
-  const int n_iters = num_m * args.group;
-  // Iteration it visits query head head_kv * group + it / num_m, query tile m_begin + it % num_m.
-  const auto iter_head = [&](int it) { return head_kv * args.group + it / num_m; };
-  const auto iter_m0 = [&](int it) { return (m_begin + it % num_m) * kBlockM; };
+  const bool segments = kMasked && args.segments.enabled();
 
   if (threadIdx.x == 0) {
-    mbar_init(bar_kv, 1);
+    // K / V: lane 0 of the producer warp with the TMA byte count, lanes 1..31 after writing the
+    // keys' segment ids.
+    mbar_init(bar_kv, 32);
     for (int s = 0; s < kStages; ++s) {
       // The 32 lanes of the producer warp arrive after writing lse / delta; lane 0's arrival
       // also carries the TMA byte count.
@@ -201,67 +437,111 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       mbar_init(bar_empty(s), 128 * Tr::kConsumerWarpgroups);
     }
     fence_barrier_init();
+    *cta_tile = bwd_cta_tile<kBlockM, kBlockN>(args, band, segments, static_cast<int>(blockIdx.x));
   }
   __syncthreads();
+  if (cta_tile->empty) return;
 
   const int warpgroup = static_cast<int>(threadIdx.x) / 128;
   const int tid = static_cast<int>(threadIdx.x) % 128;
   const int warp = tid / 32;
   const int lane = tid % 32;
+  const bool varlen = args.layout.varlen();
+  const int n_iters = cta_tile->num_m * args.group;
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
     setmaxnreg_dec<Tr::kProducerRegs>();
     if (warp != 0 || n_iters <= 0) return;
+    const BwdCtaTile& ct = *cta_tile;
+    // Dense: 4-D maps [batch, seqlen, heads, D], whose rows past a sequence read as zeros.
+    // Packed: [rows, heads, D] maps addressed by the span's rows.
+    const auto q_row0 = [&] { return varlen ? static_cast<int>(ct.span.q_start) : 0; };
+    const auto tma_batch = [&] { return varlen ? 0 : static_cast<int>(ct.span.seq); };
     if (lane == 0) {
       prefetch_tensormap(&tm_q);
       prefetch_tensormap(&tm_k);
       prefetch_tensormap(&tm_v);
       prefetch_tensormap(&tm_do);
       mbar_arrive_expect_tx(bar_kv, 2 * Tr::kKVBytes);
+      const int k_row = (varlen ? static_cast<int>(ct.span.k_start) : 0) + ct.n0;
 #pragma unroll
       for (int p = 0; p < Tr::kPanels; ++p) {
-        tma_load_4d(k_smem + p * Tr::kKVPanelBytes, &tm_k, bar_kv, p * Tr::kPanelCols, head_kv, n0,
-                    batch);
-        tma_load_4d(v_smem + p * Tr::kKVPanelBytes, &tm_v, bar_kv, p * Tr::kPanelCols, head_kv, n0,
-                    batch);
+        tma_load_4d(k_smem + p * Tr::kKVPanelBytes, &tm_k, bar_kv, p * Tr::kPanelCols, ct.head_kv,
+                    k_row, tma_batch());
+        tma_load_4d(v_smem + p * Tr::kKVPanelBytes, &tm_v, bar_kv, p * Tr::kPanelCols, ct.head_kv,
+                    k_row, tma_batch());
       }
+    } else {
+      // Lanes 1..31 write the keys' segment ids before their arrivals on bar_kv, which order the
+      // writes before the consumers' reads (lane 0 issues the TMA without waiting for them).
+      if (segments) {
+        const int32_t* const ids = args.segments.kv_ids + ct.span.batch * args.seg_stride_k + ct.n0;
+        for (int c = lane - 1; c < kBlockN; c += 31) {
+          kvid_s[c] = ct.n0 + c < ct.span.len_k ? ids[c] : 0;
+        }
+      }
+      mbar_arrive(bar_kv);
     }
+    int slot = 0;
     for (int it = 0; it < n_iters; ++it) {
-      const int stage = it % kStages;
-      const int head = iter_head(it);
-      const int m0 = iter_m0(it);
-      if (it >= kStages) mbar_wait(bar_empty(stage), ((it / kStages) + 1) & 1);
-      // Rows past seqlen_q and rows that saw no key (lse = -inf) get +inf, which makes
+      const int head = ct.head_kv * args.group + it / ct.num_m;
+      const int m0 = (ct.m_first + it % ct.num_m) * kBlockM;
+      const int64_t q_chunks = (args.seg_stride_q + kSegmentChunk - 1) / kSegmentChunk;
+      const int32_t* const q_ranges =
+          segments ? args.segments.q_ranges + ct.span.batch * q_chunks * 2 : nullptr;
+      const BwdPair pr = bwd_pair<kBlockM, kBlockN>(ct, m0, segments, q_ranges, varlen);
+      if (pr.flags < 0) continue;
+      const int rows = pr.rows;
+      const int flags = pr.flags;
+
+      const int stage = slot % kStages;
+      if (slot >= kStages) mbar_wait(bar_empty(stage), ((slot / kStages) + 1) & 1);
+      // Rows past the sequence and rows that saw no key (lse = -inf) get +inf, which makes
       // P = 2^(s - inf) = 0 exactly; their delta is 0.
-      float* const lse_s = stats + stage * 2 * kBlockM;
-      const int64_t stat_row = (static_cast<int64_t>(batch) * args.heads_q + head) * args.seqlen_q;
+      float* const lse_s = stage_lse(stage);
+      const int64_t stat_row = ct.span.stat_start + head * ct.span.stat_head + m0;
       for (int r = lane; r < kBlockM; r += 32) {
         float lse2 = CUDART_INF_F;
         float dlt = 0.f;
-        if (m0 + r < args.seqlen_q) {
-          const float l = args.lse[stat_row + m0 + r];
+        if (r < rows) {
+          const float l = args.lse[stat_row + r];
           if (l != -CUDART_INF_F) {
             lse2 = l * kLog2e;
-            dlt = args.delta[stat_row + m0 + r];
+            dlt = args.delta[stat_row + r];
           }
         }
         lse_s[r] = lse2;
         lse_s[kBlockM + r] = dlt;
+        if (kMasked && (flags & kPairSegments)) {
+          stage_qid(stage)[r] =
+              r < rows ? args.segments.q_ids[ct.span.batch * args.seg_stride_q + m0 + r] : 0;
+        }
       }
       if (lane == 0) {
+        BwdPairHeader* const h = stage_header(stage);
+        h->dq_offset = ((ct.span.q_start + m0) * args.heads_q + head) * int64_t{kD};
+        h->rows = rows;
+        h->flags = flags;
+        h->mask = ct.mask.tile(m0, ct.n0);
         mbar_arrive_expect_tx(bar_full(stage), 2 * Tr::kQStageBytes);
 #pragma unroll
         for (int p = 0; p < Tr::kPanels; ++p) {
           tma_load_4d(q_smem + stage * Tr::kQStageBytes + p * Tr::kQPanelBytes, &tm_q,
-                      bar_full(stage), p * Tr::kPanelCols, head, m0, batch);
+                      bar_full(stage), p * Tr::kPanelCols, head, q_row0() + m0, tma_batch());
           tma_load_4d(do_smem + stage * Tr::kQStageBytes + p * Tr::kQPanelBytes, &tm_do,
-                      bar_full(stage), p * Tr::kPanelCols, head, m0, batch);
+                      bar_full(stage), p * Tr::kPanelCols, head, q_row0() + m0, tma_batch());
         }
       } else {
         mbar_arrive(bar_full(stage));
       }
+      ++slot;
     }
+    // The end header, in the next stage once the consumers released it.
+    const int stage = slot % kStages;
+    if (slot >= kStages) mbar_wait(bar_empty(stage), ((slot / kStages) + 1) & 1);
+    if (lane == 0) stage_header(stage)->flags = kPairEnd;
+    mbar_arrive(bar_full(stage));
     return;
   }
 
@@ -270,8 +550,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int cw = warpgroup - 1;
   const int g = lane / 4;
   const int t = lane % 4;
-  // Key of accumulator rows r = 0 (and r = 1 at +8) of this thread.
-  const int key = n0 + cw * 64 + warp * 16 + g;
+  // Tile-local key of accumulator rows r = 0 (and r = 1 at +8) of this thread.
+  const int key = cw * 64 + warp * 16 + g;
 
   float dk[kD / 2];
   float dv[kD / 2];
@@ -304,21 +584,40 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                       : smem_desc_sw128(k_smem + cw * 64 * Tr::kRowBytes, Tr::kKVPanelBytes);
 
     mbar_wait(bar_kv, 0);
+    // K rows past a packed sequence are its neighbour's and would enter dQ = dS K (0 * NaN is
+    // NaN), so they are zeroed. V rows past it only reach dP^T rows of keys that the mask
+    // selects away, and dense tails arrive as zeros.
+    if (varlen) {
+      const int keys = static_cast<int>(cta_tile->span.len_k - cta_tile->n0);
+      if (keys < kBlockN) {
+        zero_tile_rows<kBlockN, Tr::kPanels, 1, 0>(smem + Tr::kKOffset, keys);
+        fence_proxy_async_smem();
+        named_barrier_sync(kBwdBarConsumers, 128 * Tr::kConsumerWarpgroups);
+      }
+    }
 
-    for (int it = 0; it < n_iters; ++it) {
-      const int stage = it % kStages;
-      const int head = iter_head(it);
-      const int m0 = iter_m0(it);
+    for (int slot = 0;; ++slot) {
+      const int stage = slot % kStages;
       const uint32_t q_stage = q_smem + stage * Tr::kQStageBytes;
       const uint32_t do_stage = do_smem + stage * Tr::kQStageBytes;
       const uint64_t q_desc = smem_desc_sw128(q_stage, 16);
       const uint64_t do_desc = smem_desc_sw128(do_stage, 16);
       const uint64_t q_mn_desc = smem_desc_sw128(q_stage, Tr::kQPanelBytes);
       const uint64_t do_mn_desc = smem_desc_sw128(do_stage, Tr::kQPanelBytes);
-      const float* const lse_s = stats + stage * 2 * kBlockM;
-      const float* const delta_s = lse_s + kBlockM;
+      const BwdPairHeader* const hdr = stage_header(stage);
 
-      mbar_wait(bar_full(stage), (it / kStages) & 1);
+      mbar_wait(bar_full(stage), (slot / kStages) & 1);
+      const int flags = hdr->flags;
+      if (flags & kPairEnd) break;
+      // Q and dO rows past a packed sequence belong to its neighbour: they would enter S^T, dP^T
+      // (column-wise, selected away by lse = +inf only if finite) and dK += dS^T Q,
+      // dV += P^T dO (0 * NaN is NaN), so they are zeroed before any GEMM reads the stage.
+      if (flags & kPairZeroRows) {
+        zero_tile_rows<kBlockM, Tr::kPanels, 2, Tr::kDoOffset - Tr::kQOffset>(
+            smem + Tr::kQOffset + stage * Tr::kQStageBytes, hdr->rows);
+        fence_proxy_async_smem();
+        named_barrier_sync(kBwdBarConsumers, 128 * Tr::kConsumerWarpgroups);
+      }
 
       // S^T = K Q^T and dP^T = V dO^T over the head dimension, 16 columns per wgmma.
       wgmma_fence();
@@ -327,30 +626,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       wgmma_ss_kmajor<kBlockM, kD, Tr::kKVPanelBytes, Tr::kQPanelBytes, T>(dp, v_desc, do_desc);
       wgmma_commit();
 
-      // P^T: accumulator element 4i + 2r + e is (key row g + 8r, query column 8i + 2t + e).
+      // P^T and dS^T on the unmasked path or, for a masked pair, with element masking (the two
+      // are separate copies so that unmasked pairs pay nothing for the mask).
       wgmma_wait<1>();
       fence_operand(s);
-      const bool need_mask =
-          n0 + kBlockN > args.seqlen_k || (kCausal && n0 + kBlockN - 1 > m0 + args.causal_offset);
-#pragma unroll
-      for (int i = 0; i < kBlockM / 8; ++i) {
-        const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * i + 2 * t);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float& s0 = s[4 * i + 2 * r];
-          float& s1 = s[4 * i + 2 * r + 1];
-          s0 = tc::fast_exp2(fmaf(s0, args.scale_log2, -l2.x));
-          s1 = tc::fast_exp2(fmaf(s1, args.scale_log2, -l2.y));
-          if (need_mask) {
-            const int kr = key + 8 * r;
-            const int q = m0 + 8 * i + 2 * t;
-            const bool key_ok = kr < args.seqlen_k;
-            if (!key_ok || (kCausal && kr > q + args.causal_offset)) s0 = 0.f;
-            if (!key_ok || (kCausal && kr > q + 1 + args.causal_offset)) s1 = 0.f;
-          }
-        }
+      if (flags & kPairMasked) {
+        bwd_probs<Tr, true>(s, p, stage_lse(stage), stage_qid(stage), hdr->mask,
+                            kMasked && (flags & kPairSegments) != 0, kvid_s, key, t, args);
+      } else {
+        bwd_probs<Tr, false>(s, p, stage_lse(stage), stage_qid(stage), hdr->mask, false, kvid_s,
+                             key, t, args);
       }
-      convert_p<kBlockM, T>(s, p);
 
       // dV += P^T dO over the tile's queries, 16 per wgmma, with dO as the MN-major B operand
       // (head_dim contiguous, as V in the forward's O += P V); it runs under the dS math below.
@@ -358,18 +644,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       wgmma_rs_mn<kD, kBlockM / 16, T>(dv, p, do_mn_desc);
       wgmma_commit();
 
-      // dS^T = P^T (dP^T - delta), delta broadcast along the key rows. Groups retire in order:
-      // leaving one pending means S^T and dP^T are done while dV may still run.
+      // Groups retire in order: leaving one pending means S^T and dP^T are done while dV may
+      // still run.
       wgmma_wait<1>();
       fence_operand(dp);
-#pragma unroll
-      for (int i = 0; i < kBlockM / 8; ++i) {
-        const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * i + 2 * t);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          dp[4 * i + 2 * r] = s[4 * i + 2 * r] * (dp[4 * i + 2 * r] - dl.x);
-          dp[4 * i + 2 * r + 1] = s[4 * i + 2 * r + 1] * (dp[4 * i + 2 * r + 1] - dl.y);
-        }
+      if (flags & kPairMasked) {
+        bwd_dscores<Tr, true>(dp, s, stage_delta(stage), t);
+      } else {
+        bwd_dscores<Tr, false>(dp, s, stage_delta(stage), t);
       }
       convert_p<kBlockM, T>(dp, ds);
 
@@ -380,9 +662,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
       // dS^T to shared memory: key row kr of the 128-key tile, query pair (8i + 2t, +1) in chunk i
       // of the row, swizzled to chunk i ^ (kr % 8) = i ^ g. Two buffers alternate: a warpgroup
-      // can only reach iteration it + 2 (which rewrites buffer it % 2) after both passed the
-      // barrier of it + 1, i.e. after both waited for their dQ GEMM of iteration it.
-      const int buf = it & 1;
+      // can only reach pair slot + 2 (which rewrites buffer slot % 2) after both passed the
+      // barrier of slot + 1, i.e. after both waited for their dQ GEMM of slot.
+      const int buf = slot & 1;
       uint8_t* const ds_tile = smem + Tr::kDsOffset + buf * Tr::kDsBytes;
 #pragma unroll
       for (int i = 0; i < kBlockM / 8; ++i) {
@@ -396,7 +678,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
       fence_proxy_async_smem();
       if constexpr (Tr::kDqSplitD) {
-        named_barrier_sync(kBwdBarDs, 128 * Tr::kConsumerWarpgroups);
+        named_barrier_sync(kBwdBarConsumers, 128 * Tr::kConsumerWarpgroups);
       } else if (cw == 0) {
         named_barrier_sync(kBwdBarDsOwnBase, 128);
       } else {
@@ -421,18 +703,25 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       fence_operand(dv);
       fence_operand(p);
       fence_operand(ds);
+      // The header is read before the release lets the producer rewrite it.
+      const int64_t dq_offset = hdr->dq_offset;
+      const int rows = hdr->rows;
       mbar_arrive(bar_empty(stage));
 
       // dq accumulator element 4i + 2r + e is (query row 16 warp + g + 8r, head-dim column
-      // 64 cw + 8i + 2t + e when split, else 8i + 2t + e).
-      float* const dq_head = args.dq_accum + static_cast<int64_t>(head) * kD +
-                             (Tr::kDqSplitD ? cw * Tr::kDqColBase : 0) + 2 * t;
+      // 64 cw + 8i + 2t + e when split, else 8i + 2t + e). Rows past the sequence get nothing.
+      // The thread's position is re-read here (volatile) so that the compiler computes these
+      // addresses now, when s and dP^T are dead, instead of keeping them live across the loop.
+      const int ctid = fresh_thread_index() - 128;
+      const int dq_lane = ctid % 32;
+      float* const dq_head = args.dq_accum + dq_offset +
+                             (Tr::kDqSplitD ? (ctid / 128) * Tr::kDqColBase : 0) +
+                             2 * (dq_lane % 4);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int q = m0 + warp * 16 + g + 8 * r;
-        if (q < args.seqlen_q) {
-          float* const dq_row = dq_head + (static_cast<int64_t>(batch) * args.seqlen_q + q) *
-                                              args.heads_q * int64_t{kD};
+        const int q = (ctid % 128) / 32 * 16 + dq_lane / 4 + 8 * r;
+        if (q < rows) {
+          float* const dq_row = dq_head + static_cast<int64_t>(q) * args.heads_q * kD;
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             tc::red_add_f32x2(dq_row + 8 * i, dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
@@ -443,15 +732,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   }
 
   // Epilogue: dK = scale * dS^T Q, dV, element 4i + 2r + e at (key row g + 8r, column 8i + 2t + e).
-  // A CTA with no visible query still writes its zeros.
+  // A CTA with no visible query still writes its zeros; keys past the sequence are a neighbour's.
   T* const dk_out = static_cast<T*>(args.dk);
   T* const dv_out = static_cast<T*>(args.dv);
+  const int keys = static_cast<int>(cta_tile->span.len_k - cta_tile->n0);
+  const int64_t k_row0 = cta_tile->span.k_start + cta_tile->n0;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int kr = key + 8 * r;
-    if (kr >= args.seqlen_k) continue;
-    const int64_t off =
-        ((static_cast<int64_t>(batch) * args.seqlen_k + kr) * args.heads_kv + head_kv) * kD + 2 * t;
+    if (kr >= keys) continue;
+    const int64_t off = ((k_row0 + kr) * args.heads_kv + cta_tile->head_kv) * kD + 2 * t;
 #pragma unroll
     for (int i = 0; i < kD / 8; ++i) {
       *reinterpret_cast<uint32_t*>(dk_out + off + 8 * i) =
