@@ -1,14 +1,17 @@
 // FlashAttention-2 backward on the tensor cores (mma.sync m16n8k16, ldmatrix, fp32 accumulation)
 // for f16/bf16.
 //
-// One block owns one key/value tile K_j, V_j of kBlockN keys of one kv head. It keeps dK_j and dV_j
-// in registers while it walks every query tile Q_i (kBlockM rows) of every query head of its GQA
-// group, so dK/dV need no cross-block reduction and GQA needs no per-query-head copies. dQ_i, which
-// every key tile contributes to, is accumulated with fp32 reductions into dq_accum and converted
-// to T by a second small kernel. Per query tile (paper, Algorithm 2):
+// One block owns one key/value tile K_j, V_j of kBlockN keys of one sequence (SeqLayout::tile) of
+// one kv head. It keeps dK_j and dV_j in registers while it walks the query tiles Q_i (kBlockM
+// rows) that may see it (SeqMask::row_begin/row_end; with segment ids, those whose id range meets
+// the key tile's) for every query head of its GQA group, so dK/dV need no cross-block reduction
+// and GQA needs no per-query-head copies. dQ_i, which every key tile contributes to, is
+// accumulated with fp32 reductions into dq_accum and converted to T by a second small kernel.
+// Per query tile (paper, Algorithm 2):
 //   S = Q_i K_j^T, P = exp(scale * S - lse_i)   recomputed, never stored in global memory
 //   dP = dO_i V_j^T, dS = P * (dP - delta_i)    delta_i = rowsum(dO_i * O_i) - dlse, from the
-//   caller dV_j += P^T dO_i, dK_j += dS^T Q_i, dQ_i += dS K_j
+//   caller
+//   dV_j += P^T dO_i, dK_j += dS^T Q_i, dQ_i += dS K_j
 // P and dS make one round trip through shared memory in T because dV/dK consume them transposed.
 #pragma once
 

@@ -1,11 +1,15 @@
 // Tensor-core forward kernel for fp16/bf16: FlashAttention-2's loop order (Dao, 2023, Algorithm 1)
 // on mma.sync m16n8k16 with fp32 accumulation.
 //
-// One thread block owns kBlockM query rows of one (batch, query head). Q is loaded once; K and V
-// tiles of kBlockN keys stream through a kStages-deep cp.async ring, so the copy of tile t+1 is in
-// flight during all of tile t's work (QK^T, softmax and PV). Each warp owns 16 * kMTiles whole
-// query rows: the row max/sum reductions stay inside the four lanes (a quad) that hold a row, and
-// P goes from the S accumulators straight into PV's A operand in registers.
+// One thread block owns one query tile (kBlockM rows of one sequence, SeqLayout::tile) of one
+// query head. Which keys it visits, and which visited tiles need element masking, come from the
+// shared policy (common/mask.h): SeqMask bounds the key loop and proves full tiles, TileMask
+// masks the boundary tiles, segment-id chunk ranges skip key tiles of other documents. Q is
+// loaded once; K and V tiles of kBlockN keys stream through a kStages-deep cp.async ring, so the
+// copy of tile t+1 is in flight during all of tile t's work (QK^T, softmax and PV). Each warp
+// owns 16 * kMTiles whole query rows: the row max/sum reductions stay inside the four lanes (a
+// quad) that hold a row, and P goes from the S accumulators straight into PV's A operand in
+// registers.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16, g = lane / 4, c = 2 * (lane % 4)):
 //   A 16x16 : a0 (g, c..c+1)  a1 (g+8, c..c+1)  a2 (g, c+8..c+9)  a3 (g+8, c+8..c+9)
