@@ -1,14 +1,17 @@
 // FlashAttention-2 backward on the tensor cores (mma.sync m16n8k16, ldmatrix, fp32 accumulation)
 // for f16/bf16.
 //
-// One block owns one key/value tile K_j, V_j of kBlockN keys of one kv head. It keeps dK_j and dV_j
-// in registers while it walks every query tile Q_i (kBlockM rows) of every query head of its GQA
-// group, so dK/dV need no cross-block reduction and GQA needs no per-query-head copies. dQ_i, which
-// every key tile contributes to, is accumulated with fp32 reductions into dq_accum and converted
-// to T by a second small kernel. Per query tile (paper, Algorithm 2):
+// One block owns one key/value tile K_j, V_j of kBlockN keys of one sequence (SeqLayout::tile) of
+// one kv head. It keeps dK_j and dV_j in registers while it walks the query tiles Q_i (kBlockM
+// rows) that may see it (SeqMask::row_begin/row_end; with segment ids, those whose id range meets
+// the key tile's) for every query head of its GQA group, so dK/dV need no cross-block reduction
+// and GQA needs no per-query-head copies. dQ_i, which every key tile contributes to, is
+// accumulated with fp32 reductions into dq_accum and converted to T by a second small kernel.
+// Per query tile (paper, Algorithm 2):
 //   S = Q_i K_j^T, P = exp(scale * S - lse_i)   recomputed, never stored in global memory
 //   dP = dO_i V_j^T, dS = P * (dP - delta_i)    delta_i = rowsum(dO_i * O_i) - dlse, from the
-//   caller dV_j += P^T dO_i, dK_j += dS^T Q_i, dQ_i += dS K_j
+//   caller
+//   dV_j += P^T dO_i, dK_j += dS^T Q_i, dQ_i += dS K_j
 // P and dS make one round trip through shared memory in T because dV/dK consume them transposed.
 #pragma once
 
@@ -76,9 +79,15 @@ struct BwdTraits {
   static constexpr int kOffdO = kOffQ + 2 * kQTileBytes;  // 2 stages
   static constexpr int kOffP = kOffdO + 2 * kQTileBytes;
   static constexpr int kOffdS = kOffP + kPTileBytes;
-  static constexpr int kOffLse = kOffdS + kPTileBytes;           // 2 stages
-  static constexpr int kOffDelta = kOffLse + 2 * kRowStatBytes;  // 2 stages
-  static constexpr int kSmemBytes = kOffDelta + 2 * kRowStatBytes;
+  static constexpr int kOffLse = kOffdS + kPTileBytes;            // 2 stages
+  static constexpr int kOffDelta = kOffLse + 2 * kRowStatBytes;   // 2 stages
+  static constexpr int kOffInfo = kOffDelta + 2 * kRowStatBytes;  // BlockInfo
+  static constexpr int kInfoBytes = 256;
+  static constexpr int kOffKvIds = kOffInfo + kInfoBytes;  // kSegments: the key tile's ids
+  static constexpr int kSmemBytes = kOffKvIds;
+  static constexpr int smem_bytes(bool segments) {
+    return kOffKvIds + (segments ? kBlockN * 4 : 0);
+  }
 
   static_assert(kHeadDim % 64 == 0 && kBlockN % 64 == 0,
                 "swizzled rows need at least eight 16-byte chunks");
@@ -86,7 +95,10 @@ struct BwdTraits {
   static_assert((kBlockM * kHeadDim / 8) % kThreads == 0, "Q/dO tile copies must divide evenly");
   static_assert((kBlockN * kHeadDim / 8) % kThreads == 0, "K/V tile copies must divide evenly");
   static_assert(kHeadDim % kdQSplits == 0, "");
-  static_assert(kSmemBytes <= 227 * 1024, "exceeds the largest shared-memory carve-out (Hopper)");
+  static_assert(smem_bytes(true) <= 227 * 1024,
+                "exceeds the largest shared-memory carve-out (Hopper)");
+  static_assert(kHeadDim == 256 || smem_bytes(true) <= 163 * 1024,
+                "d64 and d128 must fit A100's 163 KB");
 };
 
 // The configurations. All use 8 warps and one block per SM: the dK/dV accumulators alone take 64
@@ -117,27 +129,31 @@ struct BwdConfig<T, 256> {
 
 // What the kernels read; every derived scalar is computed on the host.
 struct BwdArgs {
-  const void* q;       // [batch, seqlen_q, heads_q, D]
-  const void* k;       // [batch, seqlen_k, heads_kv, D]
-  const void* v;       // [batch, seqlen_k, heads_kv, D]
-  const void* dout;    // [batch, seqlen_q, heads_q, D]
-  const float* lse;    // [batch, heads_q, seqlen_q]
-  const float* delta;  // [batch, heads_q, seqlen_q]
-  void* dk;            // [batch, seqlen_k, heads_kv, D]
-  void* dv;            // [batch, seqlen_k, heads_kv, D]
-  float* dq_accum;     // [batch, seqlen_q, heads_q, D]
+  const void* q;       // [rows_q, heads_q, D] (dense: [batch, seqlen_q, heads_q, D])
+  const void* k;       // [rows_k, heads_kv, D]
+  const void* v;       // [rows_k, heads_kv, D]
+  const void* dout;    // [rows_q, heads_q, D]
+  const float* lse;    // dense [batch, heads_q, seqlen_q], packed [heads_q, total_q]
+  const float* delta;  // as lse
+  void* dk;            // [rows_k, heads_kv, D]
+  void* dv;            // [rows_k, heads_kv, D]
+  float* dq_accum;     // [rows_q, heads_q, D]
+  SeqLayout layout;
+  Band band;            // read only by the kBand kernels
+  SegmentIds segments;  // read only by the kSegments kernels (dense only)
+  int64_t q_id_chunks;  // ceil(seqlen_q / kSegmentChunk): chunk ranges per batch row
+  int64_t kv_id_chunks;
   // Sequence positions and head indices fit in int (checked on the host); element offsets into
   // the tensors are formed in int64.
-  int seqlen_q;
-  int seqlen_k;
   int heads_q;
   int heads_kv;
-  int causal_offset;  // seqlen_k - seqlen_q: query i sees key j iff j <= i + causal_offset
-  int group;          // heads_q / heads_kv
-  int num_n_blocks;   // key tiles per (batch, kv head)
-  int num_m_blocks;   // query tiles per (batch, query head)
-  float scale;        // softmax_scale, folded into dK at the end
-  float scale_log2;   // softmax_scale * log2(e)
+  int group;         // heads_q / heads_kv
+  int tiles;         // layout.tiles(kBlockN, true): key tiles per kv head
+  int seq_tiles;     // dense: key tiles per sequence; packed: 0
+  float scale;       // softmax_scale, folded into dK at the end
+  float scale_log2;  // base-2 multiplier of the score: softmax_scale * log2(e), or with a
+                     // softcap c, c * log2(e) (the score is then tanh(cap_scale * q.k))
+  float cap_scale;   // softmax_scale / c
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -158,6 +174,29 @@ __device__ __forceinline__ void cp_async_4(uint32_t smem_dst, const void* gmem_s
   const int src_bytes = valid ? 4 : 0;
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_dst), "l"(gmem_src),
                "r"(src_bytes));
+}
+__device__ __forceinline__ int ld_shared_s32(uint32_t addr) {
+  int v;
+  asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ int64_t ld_shared_s64(uint32_t addr) {
+  int64_t v;
+  asm volatile("ld.shared.s64 %0, [%1];\n" : "=l"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ uint32_t ld_shared_b32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ int2 ld_shared_v2s32(uint32_t addr) {
+  int2 v;
+  asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void st_shared_s64(uint32_t addr, int64_t value) {
+  asm volatile("st.shared.s64 [%0], %1;\n" ::"r"(addr), "l"(value));
 }
 __device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
   float v;
@@ -354,18 +393,139 @@ __device__ __forceinline__ uint32_t opaque(uint32_t x) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Schedule
+
+// Where the block's key tile lives and which query tiles it visits: computed once in the
+// prologue (the packed lookup is a binary search over cu_seqlens) and read back in every phase
+// with opaque shared loads, so that none of it stays in registers next to the dK/dV accumulators.
+struct BlockInfo {
+  int64_t q_start;     // first row of the sequence in the [rows_q, heads_q, D] views
+  int64_t k_start;     // first row in the [rows_k, heads_kv, D] views
+  int64_t stat_start;  // lse/delta of (query head h, row i) at stat_start + h * stat_head + i
+  int64_t stat_head;
+  int len_q;
+  int len_k;
+  int n0;  // first key of the block's tile, sequence-local
+  int head_kv;
+  int m_begin;  // query tiles [m_begin, m_end) hold every row that may see the key tile
+  int m_end;
+  int batch;  // dense batch row (segment ids)
+  int kv_lo;  // id range of the key tile (segment ids)
+  int kv_hi;
+  // Segment ids, per Q/dO stage: the iteration index (see IterCoord) of the tile in that stage,
+  // and whether the pair needs no segment element mask.
+  int pos[2];
+  int single[2];
+  // Segment ids, one per warp: which of 32 consecutive query tiles from `base` share an id with
+  // the key tile (bit i: tile base + i), and which of those hold one and the same single id.
+  struct Window {
+    int base;
+    uint32_t seen;
+    uint32_t single;
+    int pad;
+  } window[8];
+};
+
+// Opaque reads of the BlockInfo at shared address `addr`.
+struct Info {
+  uint32_t addr;
+  __device__ int64_t q_start() const { return ld_shared_s64(addr + offsetof(BlockInfo, q_start)); }
+  __device__ int64_t k_start() const { return ld_shared_s64(addr + offsetof(BlockInfo, k_start)); }
+  __device__ int64_t stat_start() const {
+    return ld_shared_s64(addr + offsetof(BlockInfo, stat_start));
+  }
+  __device__ int64_t stat_head() const {
+    return ld_shared_s64(addr + offsetof(BlockInfo, stat_head));
+  }
+  __device__ int len_q() const { return ld_shared_s32(addr + offsetof(BlockInfo, len_q)); }
+  __device__ int len_k() const { return ld_shared_s32(addr + offsetof(BlockInfo, len_k)); }
+  __device__ int n0() const { return ld_shared_s32(addr + offsetof(BlockInfo, n0)); }
+  __device__ int head_kv() const { return ld_shared_s32(addr + offsetof(BlockInfo, head_kv)); }
+  __device__ int m_begin() const { return ld_shared_s32(addr + offsetof(BlockInfo, m_begin)); }
+  __device__ int m_end() const { return ld_shared_s32(addr + offsetof(BlockInfo, m_end)); }
+  __device__ int batch() const { return ld_shared_s32(addr + offsetof(BlockInfo, batch)); }
+  __device__ IdRange kv_range() const {
+    return {ld_shared_s32(addr + offsetof(BlockInfo, kv_lo)),
+            ld_shared_s32(addr + offsetof(BlockInfo, kv_hi))};
+  }
+  __device__ uint32_t pos_addr(int stage) const {
+    return addr + offsetof(BlockInfo, pos) + 4 * stage;
+  }
+  __device__ uint32_t single_addr(int stage) const {
+    return addr + offsetof(BlockInfo, single) + 4 * stage;
+  }
+  __device__ uint32_t window_addr(int warp) const {
+    return addr + offsetof(BlockInfo, window) + sizeof(BlockInfo::Window) * warp;
+  }
+};
+
+// The smallest query tile in [m, m_end) whose segment ids meet the key tile's (kv_range), or
+// m_end. Every lane of the calling warp takes part; the warp's Window caches the answer for 32
+// candidate tiles per ballot, so a run of disjoint tiles costs one round trip, not one per tile.
+// Returns the tile's "one single id on both sides" bit through `single`.
+template <int kBlockM>
+__device__ __forceinline__ int find_query_tile(const BwdArgs& args, uint32_t window, int m,
+                                               int m_end, int len_q, int batch, IdRange kv_range,
+                                               bool& single) {
+  const int lane = threadIdx.x % 32;
+  const uint32_t base_addr = window + offsetof(BlockInfo::Window, base);
+  const uint32_t seen_addr = window + offsetof(BlockInfo::Window, seen);
+  const uint32_t single_addr = window + offsetof(BlockInfo::Window, single);
+  while (m < m_end) {
+    int base = ld_shared_s32(base_addr);
+    if (m < base || m > base + 31) {
+      base = m;
+      const int cand = m + lane;
+      bool cand_seen = false;
+      bool cand_single = false;
+      if (cand < m_end) {
+        const IdRange r =
+            id_range(args.segments.q_ranges + batch * args.q_id_chunks * 2,
+                     static_cast<int64_t>(cand) * kBlockM, min((cand + 1) * kBlockM, len_q));
+        cand_seen = !r.disjoint(kv_range);
+        cand_single = r.same_single(kv_range);
+      }
+      const uint32_t seen_mask = __ballot_sync(0xffffffffu, cand_seen);
+      const uint32_t single_mask = __ballot_sync(0xffffffffu, cand_single);
+      st_shared_b32(base_addr, static_cast<uint32_t>(base));
+      st_shared_b32(seen_addr, seen_mask);
+      st_shared_b32(single_addr, single_mask);
+    }
+    const uint32_t above = ld_shared_b32(seen_addr) & (0xffffffffu << (m - base));
+    if (above != 0) {
+      const int found = base + __ffs(above) - 1;
+      single = ((ld_shared_b32(single_addr) >> (found - base)) & 1u) != 0;
+      return found;
+    }
+    m = base + 32;
+  }
+  single = false;
+  return m_end;
+}
+
+// Where the query rows of one sequence live (what a query-tile copy needs).
+struct QuerySpan {
+  int64_t q_start;
+  int64_t stat_start;
+  int64_t stat_head;
+  int len_q;
+};
+
+// ---------------------------------------------------------------------------------------------
 // Kernels
 
 // Issues the cp.async copies of Q_i, dO_i, lse_i and delta_i of query tile m_block of `head`.
+// Rows past the sequence's end are zero-filled and never read: that is what keeps a packed
+// neighbour's rows (and any NaN in them) out of this sequence's gradients.
 template <typename Tr>
-__device__ __forceinline__ void load_query_tile(const BwdArgs& args, int batch, int head,
+__device__ __forceinline__ void load_query_tile(const BwdArgs& args, const QuerySpan& qs, int head,
                                                 int m_block, int stage, uint32_t smem, int tid) {
   using T = typename Tr::T;
   const int row0 = m_block * Tr::kBlockM;
-  const int rows_valid = args.seqlen_q - row0;
+  const int rows_valid = qs.len_q - row0;
   const int64_t row_stride = static_cast<int64_t>(args.heads_q) * Tr::kHeadDim;
-  const int64_t offset = (static_cast<int64_t>(batch) * args.seqlen_q + row0) * row_stride +
-                         static_cast<int64_t>(head) * Tr::kHeadDim;
+  const int64_t offset =
+      (qs.q_start + row0) * row_stride + static_cast<int64_t>(head) * Tr::kHeadDim;
   load_tile<Tr::kBlockM, Tr::kHeadDim, Tr::kThreads>(smem + Tr::kOffQ + stage * Tr::kQTileBytes,
                                                      static_cast<const T*>(args.q) + offset,
                                                      row_stride, rows_valid, tid);
@@ -374,79 +534,37 @@ __device__ __forceinline__ void load_query_tile(const BwdArgs& args, int batch, 
                                                      row_stride, rows_valid, tid);
   if (tid < Tr::kBlockM) {
     const bool valid = tid < rows_valid;
-    const int64_t stat = (static_cast<int64_t>(batch) * args.heads_q + head) * args.seqlen_q +
-                         row0 + (valid ? tid : 0);
+    const int64_t stat = qs.stat_start + head * qs.stat_head + row0 + (valid ? tid : 0);
     cp_async_4(smem + Tr::kOffLse + stage * Tr::kRowStatBytes + tid * 4, args.lse + stat, valid);
     cp_async_4(smem + Tr::kOffDelta + stage * Tr::kRowStatBytes + tid * 4, args.delta + stat,
                valid);
   }
 }
 
-// Which (batch, kv head, key tile) a block owns: blockIdx.x with the key tile fastest, so that
-// co-resident blocks share the same Q, dO and dq_accum rows in L2.
-struct BlockCoord {
-  int batch;
-  int head_kv;
-  int n_block;
-  __device__ BlockCoord(const BwdArgs& args, int block) {
-    const int bh = block / args.num_n_blocks;
-    n_block = block - bh * args.num_n_blocks;
-    batch = bh / args.heads_kv;
-    head_kv = bh - batch * args.heads_kv;
-  }
-  __device__ int64_t kv_offset(const BwdArgs& args, int kD, int kBlockN) const {
-    return (static_cast<int64_t>(batch) * args.seqlen_k + n_block * kBlockN) *
-               (static_cast<int64_t>(args.heads_kv) * kD) +
-           static_cast<int64_t>(head_kv) * kD;
-  }
-};
-
-// Causal: the first query row that sees key n0 is n0 - causal_offset; earlier query tiles are
-// entirely masked for this key tile and are skipped.
-template <bool kCausal, int kBlockM>
-__device__ __forceinline__ int first_m_block(const BwdArgs& args, int n0) {
-  if constexpr (kCausal) {
-    const int first_row = n0 - args.causal_offset;
-    if (first_row >= args.seqlen_q) return args.num_m_blocks;
-    if (first_row > 0) return first_row / kBlockM;
-  }
-  return 0;
-}
-
-// Coordinates of main-loop iteration `it` of this block: the query head and query tile it
-// processes and those of the next iteration (for the prefetch). Built from an opaque() copy of
-// blockIdx, so each use recomputes it instead of keeping it live across the iteration.
-template <bool kCausal, int kBlockM, int kBlockN>
+// Coordinates of iteration index `it` of this block: the indices walk the query tiles
+// [m_begin, m_end) of each query head of the GQA group in turn. Without segment ids the k-th
+// iteration of the main loop has index k; with them, indices of tiles that share no id with the
+// key tile are skipped, and BlockInfo::pos holds the index of each stage's tile.
 struct IterCoord {
-  bool valid;     // it < number of iterations of this block
-  bool has_next;  // it + 1 < number of iterations
-  int batch;
-  int n0;    // first key of the block's tile
-  int head;  // query head
-  int row0;  // first query row of the tile
-  int next_head;
-  int next_m_block;
-  __device__ IterCoord(const BwdArgs& args, int it) {
-    const BlockCoord bc(args, static_cast<int>(opaque(blockIdx.x)));
-    batch = bc.batch;
-    n0 = bc.n_block * kBlockN;
-    const int m_begin = first_m_block<kCausal, kBlockM>(args, n0);
-    const int num_m = args.num_m_blocks - m_begin;
-    const int num_iters = max(num_m, 0) * args.group;
-    valid = it < num_iters;
-    has_next = it + 1 < num_iters;
+  bool valid;  // it names an iteration of this block
+  int head;    // query head
+  int m_block;
+  __device__ IterCoord(const BwdArgs& args, const Info& info, int it) {
+    const int m_begin = info.m_begin();
+    const int num_m = info.m_end() - m_begin;
+    valid = it < max(num_m, 0) * args.group;
     const int head_step = valid ? it / num_m : 0;
-    const int m_block = m_begin + (it - head_step * num_m);
-    head = bc.head_kv * args.group + head_step;
-    row0 = m_block * kBlockM;
-    const bool head_done = m_block + 1 == args.num_m_blocks;
-    next_m_block = head_done ? m_begin : m_block + 1;
-    next_head = head_done ? head + 1 : head;
+    m_block = m_begin + (it - head_step * num_m);
+    head = info.head_kv() * args.group + head_step;
   }
 };
 
-template <typename Tr, bool kCausal>
+// kBand: a sliding window or causal band (without it only the sequence end masks). kSegments:
+// segment ids (implies kBand). kSoftcap: s = c * tanh(scale * q.k / c).
+template <typename Tr, bool kBand, bool kSegments, bool kSoftcap>
 __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs args) {
+  static_assert(kBand || !kSegments, "segment ids run on the band kernels");
+  static_assert(Tr::kNWarps <= 8, "BlockInfo holds 8 segment windows");
   using T = typename Tr::T;
   using SdP = typename Tr::SdP;
   using dKV = typename Tr::dKV;
@@ -454,32 +572,104 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kD = Tr::kHeadDim;
+  static_assert(sizeof(BlockInfo) <= Tr::kInfoBytes, "");
 
   extern __shared__ __align__(128) unsigned char smem[];
 
   // Only the dK/dV accumulators and the iteration counter live across the main loop: everything
-  // else is derived again inside it (and in the epilogue) from opaque() copies of blockIdx and
-  // threadIdx, which costs a few integer ops per iteration and keeps ptxas from parking block
-  // scalars in registers (or spilling them) next to 128+ accumulator registers.
+  // else is derived again inside it (and in the epilogue) from the BlockInfo in shared memory and
+  // opaque() copies of threadIdx, which costs a few integer ops per iteration and keeps ptxas from
+  // parking block scalars in registers (or spilling them) next to 128+ accumulator registers.
+  int k = 0;  // main-loop iterations done; iteration k uses Q/dO stage k & 1
   {
     const uint32_t smem_base = tc::smem_addr(smem);
-    const BlockCoord coord(args, blockIdx.x);
-    const int n0 = coord.n_block * kBlockN;
-    const int m_begin = first_m_block<kCausal, kBlockM>(args, n0);
-    if (m_begin < args.num_m_blocks) {
-      const int tid = threadIdx.x;
+    const int tid = threadIdx.x;
+    // Key tiles of one kv head are adjacent in launch order, so that co-resident blocks share
+    // the same Q, dO and dq_accum rows in L2; dense batches keep the sequence outermost.
+    int head_kv;
+    int64_t tile_index;
+    {
+      const int bid = static_cast<int>(blockIdx.x);
+      if (!args.layout.varlen()) {
+        const int n = bid % args.seq_tiles;
+        const int bh = bid / args.seq_tiles;
+        head_kv = bh % args.heads_kv;
+        tile_index = static_cast<int64_t>(bh / args.heads_kv) * args.seq_tiles + n;
+      } else {
+        head_kv = bid / args.tiles;
+        tile_index = bid - head_kv * args.tiles;
+      }
+    }
+    const SeqTile tile = args.layout.tile(tile_index, kBlockN, true);
+    if (tile.empty(kBlockN, true)) return;
+    const SeqSpan& span = tile.span;
+    const int len_q = static_cast<int>(span.len_q);
+    const int len_k = static_cast<int>(span.len_k);
+    const int n0 = static_cast<int>(tile.block) * kBlockN;
+    const int n1 = min(n0 + kBlockN, len_k);
+    // Query rows [row_begin, row_end) may see some key of the tile; without kBand the band is
+    // unbounded at compile time.
+    const SeqMask mask = (kBand ? args.band : Band{}).for_seq(span.len_q, span.len_k);
+    const int row_begin = static_cast<int>(mask.row_begin(n0));
+    const int row_end = static_cast<int>(mask.row_end(n1));
+    const int m_begin = row_begin / kBlockM;
+    const int m_end = row_begin < row_end ? (row_end + kBlockM - 1) / kBlockM : m_begin;
+    const int batch = static_cast<int>(span.batch);
+    const Info info{smem_base + Tr::kOffInfo};
+
+    // With segment ids the first query tile is the first one that shares an id with the key tile.
+    int m_first = m_begin;
+    bool single = false;
+    IdRange kv_range{0, 0};
+    if constexpr (kSegments) {
+      kv_range = id_range(args.segments.kv_ranges + batch * args.kv_id_chunks * 2, n0, n1);
+      const uint32_t window = info.window_addr(tid / 32);
+      st_shared_b32(window + offsetof(BlockInfo::Window, base), static_cast<uint32_t>(-64));
+      m_first =
+          find_query_tile<kBlockM>(args, window, m_begin, m_end, len_q, batch, kv_range, single);
+    }
+    const int it_first = m_first < m_end ? m_first - m_begin : (m_end - m_begin) * args.group;
+
+    if (tid == 0) {
+      st_shared_s64(info.addr + offsetof(BlockInfo, q_start), span.q_start);
+      st_shared_s64(info.addr + offsetof(BlockInfo, k_start), span.k_start);
+      st_shared_s64(info.addr + offsetof(BlockInfo, stat_start), span.stat_start);
+      st_shared_s64(info.addr + offsetof(BlockInfo, stat_head), span.stat_head);
+      st_shared_b32(info.addr + offsetof(BlockInfo, len_q), len_q);
+      st_shared_b32(info.addr + offsetof(BlockInfo, len_k), len_k);
+      st_shared_b32(info.addr + offsetof(BlockInfo, n0), n0);
+      st_shared_b32(info.addr + offsetof(BlockInfo, head_kv), head_kv);
+      st_shared_b32(info.addr + offsetof(BlockInfo, m_begin), m_begin);
+      st_shared_b32(info.addr + offsetof(BlockInfo, m_end), m_end);
+      st_shared_b32(info.addr + offsetof(BlockInfo, batch), batch);
+      st_shared_b32(info.addr + offsetof(BlockInfo, kv_lo), kv_range.lo);
+      st_shared_b32(info.addr + offsetof(BlockInfo, kv_hi), kv_range.hi);
+      st_shared_b32(info.pos_addr(0), static_cast<uint32_t>(it_first));
+      st_shared_b32(info.single_addr(0), single ? 1u : 0u);
+    }
+    if (m_first < m_end) {
       const int64_t kv_row_stride = static_cast<int64_t>(args.heads_kv) * kD;
-      const int64_t kv_offset = coord.kv_offset(args, kD, kBlockN);
+      const int64_t kv_offset =
+          (span.k_start + n0) * kv_row_stride + static_cast<int64_t>(head_kv) * kD;
       load_tile<kBlockN, kD, Tr::kThreads>(smem_base + Tr::kOffK,
                                            static_cast<const T*>(args.k) + kv_offset, kv_row_stride,
-                                           args.seqlen_k - n0, tid);
+                                           len_k - n0, tid);
       load_tile<kBlockN, kD, Tr::kThreads>(smem_base + Tr::kOffV,
                                            static_cast<const T*>(args.v) + kv_offset, kv_row_stride,
-                                           args.seqlen_k - n0, tid);
-      load_query_tile<Tr>(args, coord.batch, coord.head_kv * args.group, m_begin, 0, smem_base,
-                          tid);
+                                           len_k - n0, tid);
+      if constexpr (kSegments) {
+        if (tid < kBlockN) {
+          const bool valid = n0 + tid < len_k;
+          const int32_t* kv_ids = args.segments.kv_ids + batch * args.layout.seqlen_k;
+          cp_async_4(smem_base + Tr::kOffKvIds + 4 * tid, kv_ids + (valid ? n0 + tid : 0), valid);
+        }
+      }
+      const QuerySpan qs{span.q_start, span.stat_start, span.stat_head, len_q};
+      load_query_tile<Tr>(args, qs, head_kv * args.group, m_first, 0, smem_base, tid);
     }
     tc::cp_async_commit();
+    // Publishes the BlockInfo, which the first iteration reads before its barrier.
+    __syncthreads();
   }
 
   float acc_dv[dKV::kMi][dKV::kNi][4];
@@ -487,41 +677,80 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
   zero(acc_dv);
   zero(acc_dk);
 
-  // The iterations walk the query tiles of each query head of the group in turn. Each phase of
-  // an iteration re-derives the coordinates it needs (IterCoord, lane/warp, shared addresses)
-  // rather than keeping them live from the top of the iteration.
-  for (int it = 0;; ++it) {
+  // Each phase of an iteration re-derives the coordinates it needs (IterCoord, lane/warp, shared
+  // addresses) rather than keeping them live from the top of the iteration.
+  for (;; ++k) {
     {
-      const IterCoord<kCausal, kBlockM, kBlockN> ic(args, it);
+      const int stage = k & 1;
+      const Info info{opaque(tc::smem_addr(smem)) + Tr::kOffInfo};
+      const int it = kSegments ? ld_shared_s32(info.pos_addr(stage)) : k;
+      const IterCoord ic(args, info, it);
       if (!ic.valid) break;
-      const int stage = it & 1;
       const int tid = static_cast<int>(opaque(threadIdx.x));
+      // The iteration after this one; with segment ids the next query tile that shares an id
+      // with the key tile (its warp-uniform search reads and writes only this warp's Window).
+      int it_next = it + 1;
+      bool next_single = false;
+      if constexpr (kSegments) {
+        const int m_begin = info.m_begin();
+        const int m_end = info.m_end();
+        const int num_m = m_end - m_begin;
+        const int len_q = info.len_q();
+        const int batch = info.batch();
+        const IdRange kv_range = info.kv_range();
+        const uint32_t window = info.window_addr(tid / 32);
+        const int head_step = it / num_m;
+        int m = find_query_tile<kBlockM>(args, window, ic.m_block + 1, m_end, len_q, batch,
+                                         kv_range, next_single);
+        it_next = head_step * num_m + (m - m_begin);
+        if (m >= m_end) {
+          it_next = num_m * args.group;
+          if (head_step + 1 < args.group) {
+            m = find_query_tile<kBlockM>(args, window, m_begin, m_end, len_q, batch, kv_range,
+                                         next_single);
+            it_next = (head_step + 1) * num_m + (m - m_begin);
+          }
+        }
+      }
       // Barrier A: this stage's copies have landed for every thread, and every warp is done with
-      // the previous iteration, i.e. with sP, sdS and the other Q/dO stage, which are now free.
+      // the previous iteration, i.e. with sP, sdS, the other Q/dO stage and the other stage's
+      // BlockInfo flags, which are now free.
       tc::cp_async_wait<0>();
       __syncthreads();
-      if (ic.has_next) {
-        load_query_tile<Tr>(args, ic.batch, ic.next_head, ic.next_m_block, stage ^ 1,
+      if constexpr (kSegments) {
+        if (tid == 0) {
+          st_shared_b32(info.pos_addr(stage ^ 1), static_cast<uint32_t>(it_next));
+          st_shared_b32(info.single_addr(stage ^ 1), next_single ? 1u : 0u);
+        }
+      }
+      const IterCoord next(args, info, it_next);
+      if (next.valid) {
+        const QuerySpan qs{info.q_start(), info.stat_start(), info.stat_head(), info.len_q()};
+        load_query_tile<Tr>(args, qs, next.head, next.m_block, stage ^ 1,
                             opaque(tc::smem_addr(smem)), tid);
       }
       tc::cp_async_commit();
     }
 
-    // S = Q K^T, then P. A row past seqlen_q, or one that saw no key (lse = -inf), gets an
-    // exponent bias of -inf so its P is exactly 0 rather than inf or NaN. Masked entries (keys
-    // past seqlen_k, causal) are zeroed on the tiles that need it. P goes to shared memory as T
-    // for the dV GEMM and stays in registers as f16 pairs for dS: half the registers of fp32 at
-    // the point where the dP accumulators join dK/dV, and for P in [0, 1] f16 is 4x more precise
-    // than the bf16 rounding dS gets anyway.
+    // S = Q K^T, then P. A row past the sequence's end, or one that saw no key (lse = -inf),
+    // gets an exponent bias of -inf so its P is exactly 0 rather than inf or NaN. Masked entries
+    // (the band's edges, keys past the sequence's end, other segments) are zeroed, by select, on
+    // the tiles that SeqMask does not prove full. P goes to shared memory as T for the dV GEMM and
+    // stays in registers as f16 pairs for dS: half the registers of fp32 at the point where the
+    // dP accumulators join dK/dV, and for P in [0, 1] f16 is 4x more precise than the bf16
+    // rounding dS gets anyway. With soft-capping the score is t = tanh(scale * q.k / c); the dP
+    // phase needs 1 - t^2, which waits in the (still unused) dS tile, as f16, at the very
+    // positions where this thread later writes dS.
     using GemmSdP = WarpGemm<T, SdP::kMi, SdP::kNi, kD, kD, false, kD, false, Tr::kSdPDoubleBuffer>;
     __half2 p_f16[SdP::kMi][SdP::kNi][2];
     {
-      const int stage = it & 1;
-      const IterCoord<kCausal, kBlockM, kBlockN> ic(args, it);
+      const int stage = k & 1;
+      const uint32_t base = opaque(tc::smem_addr(smem));
+      const Info info{base + Tr::kOffInfo};
+      const IterCoord ic(args, info, kSegments ? ld_shared_s32(info.pos_addr(stage)) : k);
       const int tid = static_cast<int>(opaque(threadIdx.x));
       const int warp = tid / 32;
       const int lane = tid % 32;
-      const uint32_t base = opaque(tc::smem_addr(smem));
       const int sdp_m0 = SdP::row0(warp);
       const int sdp_n0 = SdP::col0(warp);
       float acc_s[SdP::kMi][SdP::kNi][4];
@@ -529,34 +758,76 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
       GemmSdP::run(acc_s, base + Tr::kOffQ + stage * Tr::kQTileBytes, sdp_m0, base + Tr::kOffK,
                    sdp_n0, lane);
 
+      if constexpr (kSoftcap) {
+        const uint32_t lane_ds =
+            base + Tr::kOffdS + 2 * swz<kBlockN>(sdp_m0 + (lane >> 2), sdp_n0 + (lane & 3) * 2);
+#pragma unroll
+        for (int i = 0; i < SdP::kMi; ++i) {
+#pragma unroll
+          for (int j = 0; j < SdP::kNi; ++j) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const float t0 = tc::fast_tanh(acc_s[i][j][2 * h] * args.cap_scale);
+              const float t1 = tc::fast_tanh(acc_s[i][j][2 * h + 1] * args.cap_scale);
+              acc_s[i][j][2 * h] = t0;
+              acc_s[i][j][2 * h + 1] = t1;
+              const __half2 dt = __floats2half2_rn(1.f - t0 * t0, 1.f - t1 * t1);
+              st_shared_b32(swz_step<kBlockN>(lane_ds, i * 16 + h * 8, j),
+                            *reinterpret_cast<const uint32_t*>(&dt));
+            }
+          }
+        }
+      }
+
+      const int row0 = ic.m_block * kBlockM;
+      const int len_q = info.len_q();
+      const int n0 = info.n0();
+      const SeqMask mask = (kBand ? args.band : Band{}).for_seq(len_q, info.len_k());
+      const bool need_mask = !mask.tile_full(row0, min(row0 + kBlockM, len_q), n0, n0 + kBlockN);
+      const TileMask tm = mask.tile(row0, n0);
+      bool seg_mask = false;
+      const int32_t* q_ids = nullptr;
+      if constexpr (kSegments) {
+        seg_mask = ld_shared_s32(info.single_addr(stage)) == 0;
+        q_ids = args.segments.q_ids + info.batch() * args.layout.seqlen_q + row0;
+      }
       const uint32_t lse_addr = base + Tr::kOffLse + stage * Tr::kRowStatBytes;
       const uint32_t lane_p =
           base + Tr::kOffP + 2 * swz<kBlockN>(sdp_m0 + (lane >> 2), sdp_n0 + (lane & 3) * 2);
-      const bool need_mask = ic.n0 + kBlockN > args.seqlen_k ||
-                             (kCausal && ic.n0 + kBlockN - 1 > ic.row0 + args.causal_offset);
 #pragma unroll
       for (int i = 0; i < SdP::kMi; ++i) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = sdp_m0 + i * 16 + (lane >> 2) + h * 8;
           const float lse = ld_shared_f32(lse_addr + 4 * r);
-          const bool live = ic.row0 + r < args.seqlen_q && lse != -INFINITY;
+          const bool live = row0 + r < len_q && lse != -INFINITY;
           const float bias = live ? -lse * static_cast<float>(M_LOG2E) : -INFINITY;
-          // Columns of this tile at or past col_limit are masked for this row.
-          int col_limit = kBlockN;
+          // Columns of this tile outside [lo, hi) are masked for this row.
+          int lo = 0;
+          int hi = kBlockN;
           if (need_mask) {
-            int limit = args.seqlen_k;
-            if constexpr (kCausal) limit = min(limit, ic.row0 + r + args.causal_offset + 1);
-            col_limit = limit - ic.n0;
+            lo = kBand ? tm.lo(r) : 0;
+            hi = kBand ? tm.hi(r) : tm.n_limit;
+          }
+          int32_t q_id = 0;
+          if constexpr (kSegments) {
+            if (seg_mask && live) q_id = q_ids[r];
           }
 #pragma unroll
           for (int j = 0; j < SdP::kNi; ++j) {
             const int c = sdp_n0 + j * 8 + (lane & 3) * 2;
+            int2 kv_id = make_int2(0, 0);
+            if constexpr (kSegments) {
+              if (seg_mask) kv_id = ld_shared_v2s32(base + Tr::kOffKvIds + 4 * c);
+            }
             float p[2];
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               p[e] = tc::fast_exp2(fmaf(acc_s[i][j][2 * h + e], args.scale_log2, bias));
-              if (c + e >= col_limit) p[e] = 0.f;
+              if ((kBand && c + e < lo) || c + e >= hi) p[e] = 0.f;
+              if constexpr (kSegments) {
+                if ((e == 0 ? kv_id.x : kv_id.y) != q_id) p[e] = 0.f;
+              }
             }
             p_f16[i][j][h] = __floats2half2_rn(p[0], p[1]);
             st_shared_b32(swz_step<kBlockN>(lane_p, i * 16 + h * 8, j), tc::pack2<T>(p[0], p[1]));
@@ -565,9 +836,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
       }
     }
 
-    // dP = dO V^T, dS = P * (dP - delta).
+    // dP = dO V^T, dS = P * (dP - delta) (times 1 - t^2 with soft-capping).
     {
-      const int stage = it & 1;
+      const int stage = k & 1;
       const int tid = static_cast<int>(opaque(threadIdx.x));
       const int warp = tid / 32;
       const int lane = tid % 32;
@@ -579,6 +850,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
       GemmSdP::run(acc_dp, base + Tr::kOffdO + stage * Tr::kQTileBytes, sdp_m0, base + Tr::kOffV,
                    sdp_n0, lane);
       const uint32_t delta_addr = base + Tr::kOffDelta + stage * Tr::kRowStatBytes;
+      const uint32_t lane_ds =
+          base + Tr::kOffdS + 2 * swz<kBlockN>(sdp_m0 + (lane >> 2), sdp_n0 + (lane & 3) * 2);
 #pragma unroll
       for (int i = 0; i < SdP::kMi; ++i) {
 #pragma unroll
@@ -590,6 +863,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
             const float2 p = __half22float2(p_f16[i][j][h]);
             acc_dp[i][j][2 * h] = p.x * (acc_dp[i][j][2 * h] - delta);
             acc_dp[i][j][2 * h + 1] = p.y * (acc_dp[i][j][2 * h + 1] - delta);
+            if constexpr (kSoftcap) {
+              const uint32_t bits = ld_shared_b32(swz_step<kBlockN>(lane_ds, i * 16 + h * 8, j));
+              const float2 dt = __half22float2(*reinterpret_cast<const __half2*>(&bits));
+              acc_dp[i][j][2 * h] *= dt.x;
+              acc_dp[i][j][2 * h + 1] *= dt.y;
+            }
           }
         }
       }
@@ -600,7 +879,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
 
     // dV += P^T dO, dK += dS^T Q.
     {
-      const int stage = it & 1;
+      const int stage = k & 1;
       const int tid = static_cast<int>(opaque(threadIdx.x));
       const int warp = tid / 32;
       const int lane = tid % 32;
@@ -612,17 +891,19 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
                    base + Tr::kOffQ + stage * Tr::kQTileBytes, dKV::col0(warp), lane);
     }
 
-    // dQ_i += dS K_j, reduced into dq_accum.
+    // dQ_i += dS K_j, reduced into dq_accum. Rows past the sequence's end are not written.
     {
-      const IterCoord<kCausal, kBlockM, kBlockN> ic(args, it);
       const int tid = static_cast<int>(opaque(threadIdx.x));
       const int warp = tid / 32;
       const int lane = tid % 32;
       const uint32_t base = opaque(tc::smem_addr(smem));
+      const Info info{base + Tr::kOffInfo};
+      const IterCoord ic(args, info, kSegments ? ld_shared_s32(info.pos_addr(k & 1)) : k);
+      const int row0 = ic.m_block * kBlockM;
+      const int len_q = info.len_q();
       using GemmdQ = WarpGemm<T, dQ::kMi, dQ::kNi, kBlockN, kBlockN, false, kD, true, true>;
       const int64_t q_row_stride = static_cast<int64_t>(args.heads_q) * kD;
-      float* dq_tile = args.dq_accum +
-                       (static_cast<int64_t>(ic.batch) * args.seqlen_q + ic.row0) * q_row_stride +
+      float* dq_tile = args.dq_accum + (info.q_start() + row0) * q_row_stride +
                        static_cast<int64_t>(ic.head) * kD;
 #pragma unroll
       for (int split = 0; split < Tr::kdQSplits; ++split) {
@@ -636,7 +917,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int r = dq_m0 + i * 16 + (lane >> 2) + h * 8;
-            if (ic.row0 + r < args.seqlen_q) {
+            if (row0 + r < len_q) {
               float* dst = dq_tile + r * q_row_stride + dq_n0 + (lane & 3) * 2;
 #pragma unroll
               for (int j = 0; j < dQ::kNi; ++j) {
@@ -650,7 +931,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
   }
 
   // Epilogue: stage dV and scale * dK through the now idle K/V tiles so the global stores are
-  // 16-byte and coalesced. Keys past seqlen_k are not written.
+  // 16-byte and coalesced. Keys past the sequence's end are not written; every key of it is,
+  // zeros included (a tile no query row sees, e.g. the padding span's, writes dK = dV = 0).
   const int tid = static_cast<int>(opaque(threadIdx.x));
   const int warp = tid / 32;
   const int lane = tid % 32;
@@ -660,10 +942,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
   store_acc<T, kD>(base + Tr::kOffV, acc_dv, dKV::row0(warp), dKV::col0(warp), 1.f, lane);
   store_acc<T, kD>(base + Tr::kOffK, acc_dk, dKV::row0(warp), dKV::col0(warp), args.scale, lane);
   __syncthreads();
-  const BlockCoord out(args, static_cast<int>(opaque(blockIdx.x)));
-  const int64_t kv_offset = out.kv_offset(args, kD, kBlockN);
-  const int64_t kv_row_stride = static_cast<int64_t>(opaque(args.heads_kv)) * kD;
-  const int rows_valid = args.seqlen_k - out.n_block * kBlockN;
+  const Info info{base + Tr::kOffInfo};
+  const int n0 = info.n0();
+  const int64_t kv_row_stride = static_cast<int64_t>(args.heads_kv) * kD;
+  const int64_t kv_offset =
+      (info.k_start() + n0) * kv_row_stride + static_cast<int64_t>(info.head_kv()) * kD;
+  const int rows_valid = info.len_k() - n0;
   constexpr int kChunksPerRow = kD / 8;
 #pragma unroll
   for (int i = 0; i < kBlockN * kChunksPerRow / Tr::kThreads; ++i) {
@@ -684,18 +968,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
 // Launcher
 
 // Zeroes dq_accum, runs the main kernel and converts dQ, all on `stream`. Shapes are checked by
-// bwd_tensor_core before it gets here.
-template <typename T, int kHeadDim, bool kCausal>
+// bwd_tensor_core before it gets here; it also chooses the flags: kBand iff the band is bounded
+// on some side or segment ids are given, kSegments iff segment ids are given, kSoftcap iff
+// softcap > 0. Every dQ row is written (rows no key tile reaches come out as 0).
+template <typename T, int kHeadDim, bool kBand, bool kSegments, bool kSoftcap>
 cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
   using Tr = typename BwdConfig<T, kHeadDim>::Traits;
-  const int64_t dq_elems = params.batch * params.seqlen_q * params.heads_q * kHeadDim;
-  const int64_t num_n_blocks = (params.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN;
-  const int64_t num_m_blocks = (params.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
-  const int64_t num_blocks = num_n_blocks * params.heads_kv * params.batch;
+  const SeqLayout& layout = params.layout;
+  const int64_t dq_elems = layout.rows_q() * params.heads_q * kHeadDim;
+  const int64_t tiles = layout.tiles(Tr::kBlockN, true);
+  const int64_t num_blocks = tiles * params.heads_kv;
   const int64_t group = params.heads_q / params.heads_kv;
+  const int64_t max_len_q = layout.varlen() ? layout.total_q : layout.seqlen_q;
+  const int64_t max_len_k = layout.varlen() ? layout.total_k : layout.seqlen_k;
+  const int64_t max_m_blocks = (max_len_q + Tr::kBlockM - 1) / Tr::kBlockM;
   // Positions and head indices are int inside the kernel; element offsets are int64.
-  if (num_blocks > INT_MAX || num_m_blocks * group > INT_MAX || params.seqlen_q > INT_MAX - 1024 ||
-      params.seqlen_k > INT_MAX - 1024 || params.heads_q > INT_MAX / kHeadDim) {
+  if (num_blocks > INT_MAX || max_m_blocks * group > INT_MAX || max_len_q > INT_MAX - 1024 ||
+      max_len_k > INT_MAX - 1024 || params.heads_q > INT_MAX / kHeadDim) {
     return cudaErrorInvalidValue;
   }
 
@@ -715,24 +1004,30 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
     args.dk = params.dk;
     args.dv = params.dv;
     args.dq_accum = params.dq_accum;
-    args.seqlen_q = static_cast<int>(params.seqlen_q);
-    args.seqlen_k = static_cast<int>(params.seqlen_k);
+    args.layout = layout;
+    args.band = params.mask.band;
+    args.segments = params.mask.segments;
+    args.q_id_chunks = (layout.seqlen_q + kSegmentChunk - 1) / kSegmentChunk;
+    args.kv_id_chunks = (layout.seqlen_k + kSegmentChunk - 1) / kSegmentChunk;
     args.heads_q = static_cast<int>(params.heads_q);
     args.heads_kv = static_cast<int>(params.heads_kv);
-    args.causal_offset = static_cast<int>(params.seqlen_k - params.seqlen_q);
     args.group = static_cast<int>(group);
-    args.num_n_blocks = static_cast<int>(num_n_blocks);
-    args.num_m_blocks = static_cast<int>(num_m_blocks);
+    args.tiles = static_cast<int>(tiles);
+    args.seq_tiles =
+        layout.varlen() ? 0 : static_cast<int>((layout.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN);
+    const double softcap = params.mask.softcap;
     args.scale = static_cast<float>(params.softmax_scale);
-    args.scale_log2 = static_cast<float>(params.softmax_scale * M_LOG2E);
+    args.scale_log2 = static_cast<float>((kSoftcap ? softcap : params.softmax_scale) * M_LOG2E);
+    args.cap_scale = kSoftcap ? static_cast<float>(params.softmax_scale / softcap) : 0.f;
 
-    auto kernel = bwd_main_kernel<Tr, kCausal>;
-    if (Tr::kSmemBytes > 48 * 1024) {
+    auto kernel = bwd_main_kernel<Tr, kBand, kSegments, kSoftcap>;
+    constexpr int kSmemBytes = Tr::smem_bytes(kSegments);
+    if (kSmemBytes > 48 * 1024) {
       const cudaError_t err =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
       if (err != cudaSuccess) return err;
     }
-    kernel<<<static_cast<unsigned>(num_blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
+    kernel<<<static_cast<unsigned>(num_blocks), Tr::kThreads, kSmemBytes, stream>>>(args);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
@@ -740,17 +1035,25 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
   return convert_dq<T>(params.dq_accum, params.dq, dq_elems, params.softmax_scale, stream);
 }
 
-// One explicit instantiation per (dtype, head_dim, causal) lives in bwd_tc_hdim{64,128,256}.cu;
-// these declarations keep every other includer from instantiating the kernels again.
-#define JAX_FLASH_BWD_TC_EXTERN(T, D)                                               \
-  extern template cudaError_t run_bwd<T, D, false>(const BwdParams&, cudaStream_t); \
-  extern template cudaError_t run_bwd<T, D, true>(const BwdParams&, cudaStream_t);
-JAX_FLASH_BWD_TC_EXTERN(__half, 64)
-JAX_FLASH_BWD_TC_EXTERN(__half, 128)
-JAX_FLASH_BWD_TC_EXTERN(__half, 256)
-JAX_FLASH_BWD_TC_EXTERN(__nv_bfloat16, 64)
-JAX_FLASH_BWD_TC_EXTERN(__nv_bfloat16, 128)
-JAX_FLASH_BWD_TC_EXTERN(__nv_bfloat16, 256)
+// The flag combinations that exist: (kBand, kSegments) in {(0, 0), (1, 0), (1, 1)}, each with
+// and without kSoftcap. One explicit instantiation of each per (dtype, head_dim) lives in
+// bwd_tc_hdim{64,128,256}.cu; these declarations keep every other includer from instantiating
+// the kernels again.
+#define JAX_FLASH_BWD_TC_FLAGS(X, T, D) \
+  X(T, D, false, false, false)          \
+  X(T, D, false, false, true)           \
+  X(T, D, true, false, false)           \
+  X(T, D, true, false, true)            \
+  X(T, D, true, true, false)            \
+  X(T, D, true, true, true)
+#define JAX_FLASH_BWD_TC_EXTERN(T, D, B, S, C) \
+  extern template cudaError_t run_bwd<T, D, B, S, C>(const BwdParams&, cudaStream_t);
+JAX_FLASH_BWD_TC_FLAGS(JAX_FLASH_BWD_TC_EXTERN, __half, 64)
+JAX_FLASH_BWD_TC_FLAGS(JAX_FLASH_BWD_TC_EXTERN, __half, 128)
+JAX_FLASH_BWD_TC_FLAGS(JAX_FLASH_BWD_TC_EXTERN, __half, 256)
+JAX_FLASH_BWD_TC_FLAGS(JAX_FLASH_BWD_TC_EXTERN, __nv_bfloat16, 64)
+JAX_FLASH_BWD_TC_FLAGS(JAX_FLASH_BWD_TC_EXTERN, __nv_bfloat16, 128)
+JAX_FLASH_BWD_TC_FLAGS(JAX_FLASH_BWD_TC_EXTERN, __nv_bfloat16, 256)
 #undef JAX_FLASH_BWD_TC_EXTERN
 
 }  // namespace jax_flash::cuda::bwd_tc

@@ -1,44 +1,75 @@
-// The single place where the backward's runtime (dtype, head_dim, causal) becomes template
-// arguments. Anything unsupported is cudaErrorInvalidValue, never a fallback.
+// The single place where the backward's runtime values (dtype, head_dim, mask features) become
+// template arguments. Values the tensor-core kernel does not take are cudaErrorInvalidValue,
+// features it cannot honour cudaErrorNotSupported; nothing falls back to another kernel.
 #include "cuda/bwd_tc.cuh"
 #include "cuda/kernels.h"
 
 namespace jax_flash::cuda {
 namespace {
 
+template <typename T, int kHeadDim, bool kBand, bool kSegments>
+cudaError_t dispatch_softcap(const BwdParams& params, cudaStream_t stream) {
+  return params.mask.softcap > 0.0
+             ? bwd_tc::run_bwd<T, kHeadDim, kBand, kSegments, true>(params, stream)
+             : bwd_tc::run_bwd<T, kHeadDim, kBand, kSegments, false>(params, stream);
+}
+
+// Segment ids run on the band kernel; an unbounded band without them needs only the
+// sequence-end mask. Sinks need nothing here: P = exp(s - lse) already includes them.
 template <typename T, int kHeadDim>
-cudaError_t dispatch_causal(const BwdParams& params, cudaStream_t stream) {
-  return params.causal ? bwd_tc::run_bwd<T, kHeadDim, true>(params, stream)
-                       : bwd_tc::run_bwd<T, kHeadDim, false>(params, stream);
+cudaError_t dispatch_mask(const BwdParams& params, cudaStream_t stream) {
+  if (params.mask.segments.enabled())
+    return dispatch_softcap<T, kHeadDim, true, true>(params, stream);
+  if (!params.mask.band.unbounded())
+    return dispatch_softcap<T, kHeadDim, true, false>(params, stream);
+  return dispatch_softcap<T, kHeadDim, false, false>(params, stream);
 }
 
 template <typename T>
 cudaError_t dispatch_head_dim(const BwdParams& params, cudaStream_t stream) {
   switch (params.head_dim) {
     case 64:
-      return dispatch_causal<T, 64>(params, stream);
+      return dispatch_mask<T, 64>(params, stream);
     case 128:
-      return dispatch_causal<T, 128>(params, stream);
+      return dispatch_mask<T, 128>(params, stream);
     case 256:
-      return dispatch_causal<T, 256>(params, stream);
+      return dispatch_mask<T, 256>(params, stream);
     default:
       return cudaErrorInvalidValue;
   }
 }
 
 bool valid_shapes(const BwdParams& p) {
-  if (p.batch < 0 || p.seqlen_q < 0 || p.seqlen_k < 0) return false;
+  const SeqLayout& l = p.layout;
+  const MaskParams& m = p.mask;
+  if (l.varlen()) {
+    if (l.cu_seqlens_k == nullptr || l.num_seqs < 0 || l.total_q < 0 || l.total_k < 0) {
+      return false;
+    }
+  } else if (l.batch < 0 || l.seqlen_q < 0 || l.seqlen_k < 0) {
+    return false;
+  }
   if (p.heads_q < 1 || p.heads_kv < 1 || p.heads_q % p.heads_kv != 0) return false;
-  if (!(p.softmax_scale > 0.0)) return false;
-  const bool empty = p.batch == 0 || p.seqlen_q == 0 || p.seqlen_k == 0;
-  return empty ||
-         (p.q && p.k && p.v && p.dout && p.lse && p.delta && p.dq && p.dk && p.dv && p.dq_accum);
+  if (l.heads_q != p.heads_q) return false;
+  if (!(p.softmax_scale > 0.0) || !std::isfinite(p.softmax_scale)) return false;
+  if (!std::isfinite(m.softcap) || m.softcap < 0.0) return false;
+  if (m.band.left < 0 || m.band.right < 0) return false;
+  if (m.segments.enabled() && !(m.segments.kv_ids && m.segments.q_ranges && m.segments.kv_ranges)) {
+    return false;
+  }
+  // An empty tensor may come without storage; every other one must have it.
+  const bool queries_ok =
+      l.rows_q() == 0 || (p.q && p.dout && p.lse && p.delta && p.dq && p.dq_accum);
+  const bool keys_ok = l.rows_k() == 0 || (p.k && p.v && p.dk && p.dv);
+  return queries_ok && keys_ok;
 }
 
 }  // namespace
 
 cudaError_t bwd_tensor_core(const BwdParams& params, DType dtype, cudaStream_t stream) {
   if (!valid_shapes(params)) return cudaErrorInvalidValue;
+  // Segment ids are per dense batch row; a packed call has none.
+  if (params.layout.varlen() && params.mask.segments.enabled()) return cudaErrorNotSupported;
   switch (dtype) {
     case DType::kF16:
       return dispatch_head_dim<__half>(params, stream);

@@ -1,11 +1,15 @@
 // Tensor-core forward kernel for fp16/bf16: FlashAttention-2's loop order (Dao, 2023, Algorithm 1)
 // on mma.sync m16n8k16 with fp32 accumulation.
 //
-// One thread block owns kBlockM query rows of one (batch, query head). Q is loaded once; K and V
-// tiles of kBlockN keys stream through a kStages-deep cp.async ring, so the copy of tile t+1 is in
-// flight during all of tile t's work (QK^T, softmax and PV). Each warp owns 16 * kMTiles whole
-// query rows: the row max/sum reductions stay inside the four lanes (a quad) that hold a row, and
-// P goes from the S accumulators straight into PV's A operand in registers.
+// One thread block owns one query tile (kBlockM rows of one sequence, SeqLayout::tile) of one
+// query head. Which keys it visits, and which visited tiles need element masking, come from the
+// shared policy (common/mask.h): SeqMask bounds the key loop and proves full tiles, TileMask
+// masks the boundary tiles, segment-id chunk ranges skip key tiles of other documents. Q is
+// loaded once; K and V tiles of kBlockN keys stream through a kStages-deep cp.async ring, so the
+// copy of tile t+1 is in flight during all of tile t's work (QK^T, softmax and PV). Each warp
+// owns 16 * kMTiles whole query rows: the row max/sum reductions stay inside the four lanes (a
+// quad) that hold a row, and P goes from the S accumulators straight into PV's A operand in
+// registers.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16, g = lane / 4, c = 2 * (lane % 4)):
 //   A 16x16 : a0 (g, c..c+1)  a1 (g+8, c..c+1)  a2 (g, c+8..c+9)  a3 (g+8, c+8..c+9)
@@ -100,6 +104,11 @@ struct FwdTraits {
   static constexpr int kQTileBytes = kBlockM * kPitch;
   static constexpr int kKVTileBytes = kBlockN * kPitch;
   static constexpr int kSmemBytes = kQTileBytes + 2 * kStages * kKVTileBytes;
+  // With segment ids the kernel also stages the ids of the tile's query rows and of every K/V
+  // stage's keys (int32) behind the K/V ring, for the element mask of boundary tiles, and keeps
+  // one SegWindow per warp.
+  static constexpr int kIdBytes = (kBlockM + kStages * kBlockN) * 4 + kNWarps * 32;
+  static constexpr int smem_bytes(bool segments) { return kSmemBytes + (segments ? kIdBytes : 0); }
 
   static_assert(sizeof(T) == 2, "tensor-core path is fp16/bf16 only");
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "unsupported head_dim");
@@ -111,7 +120,9 @@ struct FwdTraits {
                 "tiles are filled by whole sweeps");
   static_assert(kStages >= 2, "the copy ring needs a stage in flight while one is computed");
   static_assert(kSmemBytes <= 227 * 1024, "exceeds sm_90 shared memory per block");
-  static_assert(kMinBlocks * kSmemBytes <= 228 * 1024, "resident blocks do not fit in smem");
+  static_assert(kMinBlocks * smem_bytes(true) <= 228 * 1024, "resident blocks do not fit in smem");
+  static_assert(smem_bytes(true) <= 227 * 1024, "exceeds sm_90 shared memory per block");
+  static_assert(kBlockM <= kNThreads && kBlockN <= kNThreads, "one thread per segment id copy");
 };
 
 template <typename T, int kHeadDim>
@@ -121,25 +132,72 @@ using FwdTraitsFor = FwdTraits<T, kHeadDim, fwd_tile(kHeadDim).block_m, fwd_tile
 
 // Everything the kernel reads besides shared memory, derived once on the host from FwdParams.
 struct FwdArgs {
-  const void* q;           // [batch, seqlen_q, heads_q, head_dim]
-  const void* k;           // [batch, seqlen_k, heads_kv, head_dim]
-  const void* v;           // [batch, seqlen_k, heads_kv, head_dim]
-  void* o;                 // [batch, seqlen_q, heads_q, head_dim]
-  float* lse;              // [batch, heads_q, seqlen_q]
-  int64_t q_row_stride;    // heads_q * head_dim elements (also O's)
-  int64_t kv_row_stride;   // heads_kv * head_dim
-  int64_t q_batch_stride;  // seqlen_q * heads_q * head_dim
-  int64_t kv_batch_stride;
-  int seqlen_q;
-  int seqlen_k;
+  const void* q;  // [rows_q, heads_q, head_dim] (dense: [batch, seqlen_q, heads_q, head_dim])
+  const void* k;  // [rows_k, heads_kv, head_dim]
+  const void* v;  // [rows_k, heads_kv, head_dim]
+  void* o;        // [rows_q, heads_q, head_dim]
+  float* lse;     // dense [batch, heads_q, seqlen_q], packed [heads_q, total_q]
+  int64_t q_row_stride;   // heads_q * head_dim elements (also O's)
+  int64_t kv_row_stride;  // heads_kv * head_dim
+  SeqLayout layout;
+  Band band;            // read only by the kBand kernels
+  SegmentIds segments;  // read only by the kSegments kernels (dense only)
+  int64_t q_id_chunks;  // ceil(seqlen_q / kSegmentChunk): chunk ranges per batch row
+  int64_t kv_id_chunks;
+  const float* sinks;  // [batch, heads_q] natural-log sinks, or nullptr
+  int64_t sinks_batch_stride;
   int heads_q;
   int q_per_kv;      // heads_q / heads_kv
-  int num_m_blocks;  // ceil(seqlen_q / kBlockM)
-  float scale_log2;  // softmax_scale * log2(e): softmax runs in base 2
+  int tiles;         // layout.tiles(kBlockM, false): query tiles per head
+  int seq_tiles;     // dense: query tiles per sequence (ceil(seqlen_q / kBlockM)); packed: 0
+  bool reverse;      // launch each head's last (heaviest, for a right-bounded band) tiles first
+  float scale_log2;  // base-2 multiplier of the score: softmax_scale * log2(e), or with a
+                     // softcap c, c * log2(e) (the kernel's score is then tanh(cap_scale * q.k))
+  float cap_scale;   // softmax_scale / c
 };
 
-// Copies rows [row0, row0 + kRows) of one head's [seqlen, head_dim] slice into a padded shared
-// tile. Rows at or past row_end are zero-filled and never read from global memory.
+// Which key blocks a query tile with segment ids visits, for 32 consecutive candidate blocks at a
+// time (bit i: block base - i), plus what every refill needs. Every warp keeps its own copy in
+// shared memory (all its lanes hold the same values) and reads it with opaque 32-bit-address
+// loads, so none of it occupies registers next to the accumulators.
+struct SegWindow {
+  int base;         // -1 until the first refill
+  uint32_t seen;    // the block shares some id with the query tile
+  uint32_t single;  // ... and both hold one and the same id: no segment element mask
+  int32_t q_lo;     // id range of the query tile's rows
+  int32_t q_hi;
+  int batch;              // the dense batch row
+  uint32_t stage_single;  // bit s: the single bit of the block whose copy went to K/V stage s
+  int pad;
+};
+static_assert(sizeof(SegWindow) == 32, "FwdTraits::kIdBytes reserves 32 bytes per warp");
+
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ int2 ld_shared_v2s32(uint32_t addr) {
+  int2 v;
+  asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t value) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(value));
+}
+
+// 4-byte global->shared copy for the segment ids (a row of ids is only 4-byte aligned);
+// zero-fills and reads nothing when `valid` is false.
+__device__ __forceinline__ void cp_async_4(void* smem_dst, const void* gmem_src, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(tc::smem_addr(smem_dst)),
+               "l"(gmem_src), "r"(src_bytes));
+}
+
+// Copies rows [row0, row0 + kRows) of one head's [len, head_dim] slice into a padded shared
+// tile. Rows at or past row_end (the end of the sequence's span) are zero-filled and never read
+// from global memory: that is how tile tails read as zeros and why a packed neighbour's rows
+// (and any NaN in them) never reach this sequence's MMAs.
 template <typename Tr, int kRows>
 __device__ __forceinline__ void load_tile(char* tile, const typename Tr::T* head_base,
                                           int64_t row_stride, int row0, int row_end, int ld_row,
@@ -155,8 +213,12 @@ __device__ __forceinline__ void load_tile(char* tile, const typename Tr::T* head
   }
 }
 
-template <typename Tr, bool kCausal>
+// kBand: the call has a sliding window or causal band (without it only the sequence end masks).
+// kSegments: segment ids (implies kBand). kSoftcap: s = c * tanh(scale * q.k / c).
+template <typename Tr, bool kBand, bool kSegments, bool kSoftcap>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(const FwdArgs args) {
+  static_assert(kBand || !kSegments, "segment ids run on the band kernels");
+  static_assert(Tr::kStages <= 32, "SegWindow holds 32 stage flags");
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
@@ -170,71 +232,167 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
   constexpr int kChunksPerRow = Tr::kChunksPerRow;
   constexpr float kNegInf = -INFINITY;
   constexpr float kRescaleSlack = 8.f;
+  constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ uint4 smem_raw[];  // uint4: 16-byte alignment for cp.async and ldmatrix
   char* smem_q = reinterpret_cast<char*>(smem_raw);
   char* smem_k = smem_q + Tr::kQTileBytes;
   char* smem_v = smem_k + kStages * Tr::kKVTileBytes;
+  char* smem_raw_bytes = smem_q;
+  // Segment ids (kSegments only), as shared-window addresses: kv ids per K/V stage, the query
+  // tile's ids, then one SegWindow per warp.
+  constexpr int kOffKvIds = Tr::kSmemBytes;
+  constexpr int kOffQIds = kOffKvIds + kStages * kBlockN * 4;
+  constexpr int kOffWindows = kOffQIds + kBlockM * 4;
+  auto win_addr = [&](int field) {
+    return tc::smem_addr(smem_raw) + kOffWindows + static_cast<uint32_t>(threadIdx.x / 32) * 32 +
+           field;
+  };
 
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int warp = tid / 32;
 
-  // m blocks of one head are adjacent in launch order so that they share K/V through L2; causal
-  // launches each head's heaviest (last) m block first so that short blocks fill the tail.
-  const int m_idx = static_cast<int>(blockIdx.x % args.num_m_blocks);
-  const int bh = static_cast<int>(blockIdx.x / args.num_m_blocks);
-  const int head = bh % args.heads_q;
-  const int batch = bh / args.heads_q;
-  const int m_block = kCausal ? args.num_m_blocks - 1 - m_idx : m_idx;
-  const int kv_head = head / args.q_per_kv;
-
-  const int sq = args.seqlen_q;
-  const int sk = args.seqlen_k;
-  const int m0 = m_block * kBlockM;
-
-  const T* q_head = static_cast<const T*>(args.q) + batch * args.q_batch_stride +
-                    static_cast<int64_t>(head) * Tr::kHeadDim;
-  const T* k_head = static_cast<const T*>(args.k) + batch * args.kv_batch_stride +
-                    static_cast<int64_t>(kv_head) * Tr::kHeadDim;
-  const T* v_head = static_cast<const T*>(args.v) + batch * args.kv_batch_stride +
-                    static_cast<int64_t>(kv_head) * Tr::kHeadDim;
-  T* o_head = static_cast<T*>(args.o) + batch * args.q_batch_stride +
-              static_cast<int64_t>(head) * Tr::kHeadDim;
-  float* lse_head = args.lse + (static_cast<int64_t>(batch) * args.heads_q + head) * sq;
-
-  // Key blocks [0, n_blocks) hold keys some row of this block sees; blocks [0, n_full) are seen
-  // whole by every row and need no mask. Query i sees key j iff j <= i + (sk - sq).
-  int n_blocks = (sk + kBlockN - 1) / kBlockN;
-  int n_full = sk / kBlockN;
-  if constexpr (kCausal) {
-    const int last_key = min(m0 + kBlockM, sq) - 1 + (sk - sq);
-    n_blocks = last_key < 0 ? 0 : min(n_blocks, last_key / kBlockN + 1);
-    const int first_row_keys = m0 + (sk - sq) + 1;
-    n_full = first_row_keys <= 0 ? 0 : min(n_full, first_row_keys / kBlockN);
+  // Query tiles of one head are adjacent in launch order so that they share K/V through L2;
+  // a right-bounded band (causal) launches each head's heaviest (last) tile first so that short
+  // tiles fill the tail. Dense batches keep the sequence outermost (batch, head, tile).
+  int head;
+  int64_t tile_index;
+  {
+    const int bid = static_cast<int>(blockIdx.x);
+    if (!args.layout.varlen()) {
+      const int idx = bid % args.seq_tiles;
+      const int bh = bid / args.seq_tiles;
+      head = bh % args.heads_q;
+      tile_index = static_cast<int64_t>(bh / args.heads_q) * args.seq_tiles +
+                   (args.reverse ? args.seq_tiles - 1 - idx : idx);
+    } else {
+      head = bid / args.tiles;
+      const int idx = bid - head * args.tiles;
+      tile_index = args.reverse ? args.tiles - 1 - idx : idx;
+    }
   }
+  const SeqTile tile = args.layout.tile(tile_index, kBlockM, false);
+  if (tile.empty(kBlockM, false)) return;
+  const SeqSpan& span = tile.span;
+  const int kv_head = head / args.q_per_kv;
+  const int len_q = static_cast<int>(span.len_q);
+  const int len_k = static_cast<int>(span.len_k);
+  const int m0 = static_cast<int>(tile.block) * kBlockM;
+  const int m1 = min(m0 + kBlockM, len_q);  // rows [m0, m1) of the span are this block's
 
-  // Fragment coordinates: rows g and g + 8, columns c and c + 1 of every C tile.
-  const int g = lane / 4;
-  const int c = 2 * (lane % 4);
+  const T* q_head = static_cast<const T*>(args.q) + span.q_start * args.q_row_stride +
+                    static_cast<int64_t>(head) * Tr::kHeadDim;
+  const T* k_head = static_cast<const T*>(args.k) + span.k_start * args.kv_row_stride +
+                    static_cast<int64_t>(kv_head) * Tr::kHeadDim;
+  const T* v_head = static_cast<const T*>(args.v) + span.k_start * args.kv_row_stride +
+                    static_cast<int64_t>(kv_head) * Tr::kHeadDim;
+  T* o_head = static_cast<T*>(args.o) + span.q_start * args.q_row_stride +
+              static_cast<int64_t>(head) * Tr::kHeadDim;
+  float* lse_head = args.lse + span.stat_start + head * span.stat_head;
 
-  if (n_blocks == 0) {
-    // Every row of this block sees no key: O = 0 and lse = -inf by definition.
+  // The row's sink (natural log; -inf stands for none): the softmax starts at m = sink, l = 1.
+  const float sink =
+      args.sinks != nullptr ? args.sinks[span.batch * args.sinks_batch_stride + head] : kNegInf;
+
+  // Keys [key_begin, key_end) are seen by some row of this tile; key blocks outside
+  // [nb_begin, nb_end) are never visited. Without kBand the band is unbounded at compile time.
+  const SeqMask mask = (kBand ? args.band : Band{}).for_seq(span.len_q, span.len_k);
+  const int key_begin = static_cast<int>(mask.key_begin(m0));
+  const int key_end = static_cast<int>(mask.key_end(m1));
+  const int nb_begin = key_begin / kBlockN;
+  const int nb_end = (key_end + kBlockN - 1) / kBlockN;
+
+  // Rows that see no key: O = 0 and lse = sink (-inf without sinks) by definition.
+  auto write_empty = [&]() {
     const uint4 zero = make_uint4(0, 0, 0, 0);
     for (int i = tid; i < kBlockM * kChunksPerRow; i += Tr::kNThreads) {
       const int row = m0 + i / kChunksPerRow;
-      if (row < sq) {
+      if (row < m1) {
         *reinterpret_cast<uint4*>(o_head + row * args.q_row_stride + (i % kChunksPerRow) * 8) =
             zero;
       }
     }
     for (int i = tid; i < kBlockM; i += Tr::kNThreads) {
-      if (m0 + i < sq) lse_head[m0 + i] = kNegInf;
+      if (m0 + i < m1) lse_head[m0 + i] = sink;
     }
+  };
+  if (key_begin >= key_end) {
+    write_empty();
     return;
   }
-  const int n_iters = n_blocks;
-  const int n_masked = n_blocks - n_full;  // the first n_masked iterations (highest blocks) mask
+
+  // Segment ids: key blocks whose id range is disjoint from the query tile's are skipped, and
+  // blocks where both sides hold one and the same id need no segment element mask. The block
+  // walks key blocks downwards; a warp classifies 32 candidate blocks per ballot (SegWindow), so
+  // a long run of disjoint blocks costs one round trip, not one per block.
+  if constexpr (kSegments) {
+    const IdRange q_range =
+        id_range(args.segments.q_ranges + span.batch * args.q_id_chunks * 2, m0, m1);
+    st_shared_u32(win_addr(offsetof(SegWindow, base)), static_cast<uint32_t>(-1));
+    st_shared_u32(win_addr(offsetof(SegWindow, q_lo)), static_cast<uint32_t>(q_range.lo));
+    st_shared_u32(win_addr(offsetof(SegWindow, q_hi)), static_cast<uint32_t>(q_range.hi));
+    st_shared_u32(win_addr(offsetof(SegWindow, batch)), static_cast<uint32_t>(span.batch));
+    st_shared_u32(win_addr(offsetof(SegWindow, stage_single)), 0u);
+  }
+  // The largest key block in [nb_begin, n] that the tile visits, or a value below nb_begin.
+  auto find_visit = [&](int n) -> int {
+    if constexpr (!kSegments) {
+      return n;
+    } else {
+      while (n >= nb_begin) {
+        int base = static_cast<int>(ld_shared_u32(win_addr(offsetof(SegWindow, base))));
+        if (n > base || n < base - 31) {
+          base = n;
+          const int cand = n - lane;
+          bool seen = false;
+          bool single = false;
+          if (cand >= nb_begin) {
+            const IdRange q_range{
+                static_cast<int32_t>(ld_shared_u32(win_addr(offsetof(SegWindow, q_lo)))),
+                static_cast<int32_t>(ld_shared_u32(win_addr(offsetof(SegWindow, q_hi))))};
+            const int batch = static_cast<int>(ld_shared_u32(win_addr(offsetof(SegWindow, batch))));
+            const IdRange r =
+                id_range(args.segments.kv_ranges + batch * args.kv_id_chunks * 2,
+                         static_cast<int64_t>(cand) * kBlockN, min((cand + 1) * kBlockN, len_k));
+            seen = !r.disjoint(q_range);
+            single = r.same_single(q_range);
+          }
+          const uint32_t seen_mask = __ballot_sync(0xffffffffu, seen);
+          const uint32_t single_mask = __ballot_sync(0xffffffffu, single);
+          st_shared_u32(win_addr(offsetof(SegWindow, base)), static_cast<uint32_t>(base));
+          st_shared_u32(win_addr(offsetof(SegWindow, seen)), seen_mask);
+          st_shared_u32(win_addr(offsetof(SegWindow, single)), single_mask);
+        }
+        const uint32_t below =
+            ld_shared_u32(win_addr(offsetof(SegWindow, seen))) & (0xffffffffu << (base - n));
+        if (below != 0) return base - (__ffs(below) - 1);
+        n = base - 32;
+      }
+      return nb_begin - 1;
+    }
+  };
+  // Notes whether visited block n (just returned by find_visit), whose copy goes to `stage`,
+  // needs no segment element mask.
+  auto note_single = [&](int n, int stage) {
+    if constexpr (kSegments) {
+      const int base = static_cast<int>(ld_shared_u32(win_addr(offsetof(SegWindow, base))));
+      const uint32_t bit =
+          (ld_shared_u32(win_addr(offsetof(SegWindow, single))) >> (base - n)) & 1u;
+      const uint32_t addr = win_addr(offsetof(SegWindow, stage_single));
+      st_shared_u32(addr, (ld_shared_u32(addr) & ~(1u << stage)) | (bit << stage));
+    }
+  };
+
+  int next = find_visit(nb_end - 1);  // the next key block to copy
+  if (next < nb_begin) {
+    write_empty();
+    return;
+  }
+
+  // Fragment coordinates: rows g and g + 8, columns c and c + 1 of every C tile.
+  const int g = lane / 4;
+  const int c = 2 * (lane % 4);
 
   // cp.async assignment: a thread copies chunk ld_chunk of rows ld_row + i * kRowsPerPass, so a
   // warp reads whole rows of contiguous global memory.
@@ -242,21 +400,45 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
   const int ld_row = tid / kChunksPerRow;
   const uint32_t ld_smem_off = ld_row * kPitch + ld_chunk * 16;
 
-  auto load_kv = [&](int t) {
-    const int stage = t % kStages;
-    const int row0 = (n_blocks - 1 - t) * kBlockN;
-    load_tile<Tr, kBlockN>(smem_k + stage * Tr::kKVTileBytes, k_head, args.kv_row_stride, row0, sk,
-                           ld_row, ld_chunk, ld_smem_off);
-    load_tile<Tr, kBlockN>(smem_v + stage * Tr::kKVTileBytes, v_head, args.kv_row_stride, row0, sk,
-                           ld_row, ld_chunk, ld_smem_off);
+  auto load_kv = [&](int n_block, int stage) {
+    const int row0 = n_block * kBlockN;
+    load_tile<Tr, kBlockN>(smem_k + stage * Tr::kKVTileBytes, k_head, args.kv_row_stride, row0,
+                           len_k, ld_row, ld_chunk, ld_smem_off);
+    load_tile<Tr, kBlockN>(smem_v + stage * Tr::kKVTileBytes, v_head, args.kv_row_stride, row0,
+                           len_k, ld_row, ld_chunk, ld_smem_off);
+    if constexpr (kSegments) {
+      if (tid < kBlockN) {
+        const bool valid = row0 + tid < len_k;
+        const int batch = static_cast<int>(ld_shared_u32(win_addr(offsetof(SegWindow, batch))));
+        const int32_t* kv_ids = args.segments.kv_ids + batch * args.layout.seqlen_k;
+        cp_async_4(smem_raw_bytes + kOffKvIds + (stage * kBlockN + tid) * 4,
+                   kv_ids + (valid ? row0 + tid : 0), valid);
+      }
+    }
   };
 
   // Prologue: Q is its own commit group, then one group per K/V tile, kStages - 1 tiles ahead.
-  load_tile<Tr, kBlockM>(smem_q, q_head, args.q_row_stride, m0, sq, ld_row, ld_chunk, ld_smem_off);
+  // pending[] holds the key blocks whose copies are in flight, oldest first (below nb_begin:
+  // none); next is the block the following copy fetches.
+  load_tile<Tr, kBlockM>(smem_q, q_head, args.q_row_stride, m0, len_q, ld_row, ld_chunk,
+                         ld_smem_off);
+  if constexpr (kSegments) {
+    if (tid < kBlockM) {
+      const bool valid = m0 + tid < len_q;
+      const int32_t* q_ids = args.segments.q_ids + span.batch * args.layout.seqlen_q;
+      cp_async_4(smem_raw_bytes + kOffQIds + tid * 4, q_ids + (valid ? m0 + tid : 0), valid);
+    }
+  }
   tc::cp_async_commit();
+  int pending[kStages - 1];
 #pragma unroll
-  for (int t = 0; t < kStages - 1; ++t) {
-    if (t < n_iters) load_kv(t);
+  for (int s = 0; s < kStages - 1; ++s) {
+    pending[s] = next;
+    if (next >= nb_begin) {
+      note_single(next, s);
+      load_kv(next, s);
+      next = find_visit(next - 1);
+    }
     tc::cp_async_commit();
   }
 
@@ -299,32 +481,26 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
   // Per row ([mi][h] is row g + 8h of m tile mi): the softmax reference point m in base-2 units
   // (a lower bound of the running max of s * scale_log2, see below) and this thread's partial
   // sum of 2^(s * scale_log2 - m). The quad reduction of the sum is deferred to the epilogue:
-  // every rescale factor is uniform across the quad.
+  // every rescale factor is uniform across the quad. A sink starts the row at m = sink, l = 1:
+  // the 1 sits in the quad's first lane, so the deferred reduction counts it once.
   float m_ref[kMTiles][2];
   float row_sum[kMTiles][2];
+  const float sum_init = args.sinks != nullptr && lane % 4 == 0 ? 1.f : 0.f;
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
-    m_ref[mi][0] = m_ref[mi][1] = kNegInf;
-    row_sum[mi][0] = row_sum[mi][1] = 0.f;
+    m_ref[mi][0] = m_ref[mi][1] = sink * kLog2e;
+    row_sum[mi][0] = row_sum[mi][1] = sum_init;
   }
 
   const float scale_log2 = args.scale_log2;
-  // Global index of this thread's first query row (row g of m tile 0).
-  const int row_base = m0 + warp * Tr::kRowsPerWarp + g;
+  // Tile-local index of this thread's first query row (row g of m tile 0).
+  const int row_base = warp * Tr::kRowsPerWarp + g;
 
-  auto iteration = [&](int t, auto mask_tag) {
+  auto iteration = [&](int t, int n_block, auto mask_tag) {
     constexpr bool kMask = decltype(mask_tag)::value;
-    // Tile t (and Q) has landed for this thread; the barrier publishes every thread's copies and
-    // proves that all warps finished tile t - 1, whose stage the next copy overwrites.
-    tc::cp_async_wait<kStages - 2>();
-    __syncthreads();
-    if (t + kStages - 1 < n_iters) load_kv(t + kStages - 1);
-    tc::cp_async_commit();
-
     const int stage = t % kStages;
     const char* k_tile = smem_k + stage * Tr::kKVTileBytes;
     const char* v_tile = smem_v + stage * Tr::kKVTileBytes;
-    const int n_block = n_blocks - 1 - t;
 
     // S = Q K^T for this warp's rows, fp32.
     float s[kMTiles][kSTiles][4];
@@ -362,20 +538,47 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
       }
     }
 
+    // Soft-capping: the kernel's score becomes tanh(scale * q.k / c); scale_log2 holds
+    // c * log2(e), so everything below is unchanged.
+    if constexpr (kSoftcap) {
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+        for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mi][j][e] = tc::fast_tanh(s[mi][j][e] * args.cap_scale);
+        }
+      }
+    }
+
     if constexpr (kMask) {
-      // Only the key block holding seqlen_k and the causal diagonal blocks come here.
-      const int col0 = n_block * kBlockN + c;
+      // Only boundary tiles come here: the band's edges, the sequence end and (with segment
+      // ids) tiles whose two sides do not hold one single id.
+      const TileMask tm = mask.tile(m0, n_block * kBlockN);
 #pragma unroll
       for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          int col_end = sk;
-          if constexpr (kCausal) col_end = min(sk, row_base + mi * 16 + 8 * h + (sk - sq) + 1);
+          const int r = row_base + mi * 16 + 8 * h;
+          const int lo = kBand ? tm.lo(r) : 0;
+          const int hi = kBand ? tm.hi(r) : tm.n_limit;
 #pragma unroll
           for (int j = 0; j < kSTiles; ++j) {
+            const int col = c + 8 * j;
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              if (col0 + 8 * j + e >= col_end) s[mi][j][2 * h + e] = kNegInf;
+              if ((kBand && col + e < lo) || col + e >= hi) s[mi][j][2 * h + e] = kNegInf;
+            }
+          }
+          if constexpr (kSegments) {
+            const uint32_t ids = tc::smem_addr(smem_raw);
+            const int32_t q_id = static_cast<int32_t>(ld_shared_u32(ids + kOffQIds + 4 * r));
+#pragma unroll
+            for (int j = 0; j < kSTiles; ++j) {
+              const int2 kv_id =
+                  ld_shared_v2s32(ids + kOffKvIds + 4 * (stage * kBlockN + c + 8 * j));
+              if (kv_id.x != q_id) s[mi][j][2 * h] = kNegInf;
+              if (kv_id.y != q_id) s[mi][j][2 * h + 1] = kNegInf;
             }
           }
         }
@@ -387,8 +590,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
     // more than kRescaleSlack (FlashAttention-4's conditional rescale): in between, p <= 2^slack,
     // harmless in fp32 sums and in fp16/bf16 P, and the O rescale (kOTiles * 4 multiplies per
     // thread) is skipped. The final O / rowsum and lse are exact for any reference. A row that
-    // has seen only masked keys keeps m = -inf; 0 then stands in as the subtraction point, so
-    // p = 2^-inf = 0 instead of NaN. Max and sum use pairwise trees for short dependency chains.
+    // has seen only masked keys (and no sink) keeps m = -inf; 0 then stands in as the
+    // subtraction point, so p = 2^-inf = 0 instead of NaN. Max and sum use pairwise trees for
+    // short dependency chains.
     float m_blk[kMTiles][2];
     bool grow = false;
 #pragma unroll
@@ -479,14 +683,42 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
     }
   };
 
-  int t = 0;
-  for (; t < n_masked; ++t) iteration(t, std::integral_constant<bool, true>{});
-  for (; t < n_iters; ++t) iteration(t, std::integral_constant<bool, false>{});
+  // Key blocks are visited downwards from nb_end - 1, so the band's diagonal edge (causal) comes
+  // first; tiles that SeqMask proves full (and, with segment ids, hold one single id on both
+  // sides) take the unmasked path.
+  for (int t = 0;; ++t) {
+    const int n_block = pending[0];
+    if (n_block < nb_begin) break;
+#pragma unroll
+    for (int s = 0; s + 1 < kStages - 1; ++s) pending[s] = pending[s + 1];
+    // Tile t (and Q) has landed for this thread; the barrier publishes every thread's copies and
+    // proves that all warps finished tile t - 1, whose stage the next copy overwrites.
+    tc::cp_async_wait<kStages - 2>();
+    __syncthreads();
+    pending[kStages - 2] = next;
+    if (next >= nb_begin) {
+      note_single(next, (t + kStages - 1) % kStages);
+      load_kv(next, (t + kStages - 1) % kStages);
+      next = find_visit(next - 1);
+    }
+    tc::cp_async_commit();
+
+    const int n0 = n_block * kBlockN;
+    // With segment ids a tile also needs the element mask unless both sides hold one single id.
+    const bool single =
+        !kSegments ||
+        ((ld_shared_u32(win_addr(offsetof(SegWindow, stage_single))) >> (t % kStages)) & 1u) != 0;
+    if (mask.tile_full(m0, m1, n0, n0 + kBlockN) && single) {
+      iteration(t, n_block, std::integral_constant<bool, false>{});
+    } else {
+      iteration(t, n_block, std::integral_constant<bool, true>{});
+    }
+  }
 
   // Epilogue: O = acc / rowsum. Each warp stages its rows in its own rows of the Q tile, which no
   // other warp reads and no copy targets any more, then writes whole 16-byte chunks, so a row
   // goes out as contiguous head_dim * 2 bytes. The __syncwarp orders this warp's last ldmatrix of
-  // Q before the overwrite.
+  // Q before the overwrite. Rows past the span's end are not written.
   constexpr float kLn2 = 0.6931471805599453f;
   __syncwarp();
 #pragma unroll
@@ -496,10 +728,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
       float sum = row_sum[mi][h];
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      // sum > 0 iff the row saw a key (the max term contributes 2^0); otherwise O = 0, lse = -inf.
+      // sum > 0 iff the row saw a key (the max term contributes 2^0) or has a sink; otherwise
+      // O = 0, lse = -inf. A row with a sink and no key gets O = 0 and lse = sink.
       const float inv = sum > 0.f ? 1.f / sum : 0.f;
       const int row_local = warp * Tr::kRowsPerWarp + mi * 16 + g + 8 * h;
-      if (lane % 4 == 0 && m0 + row_local < sq) {
+      if (lane % 4 == 0 && m0 + row_local < m1) {
         lse_head[m0 + row_local] = sum > 0.f ? (m_ref[mi][h] + log2f(sum)) * kLn2 : kNegInf;
       }
       char* srow = smem_q + row_local * kPitch + c * 2;
@@ -520,19 +753,27 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
     const int chunk = i % kChunksPerRow;
     const uint4 val = *reinterpret_cast<const uint4*>(smem_q + row_local * kPitch + chunk * 16);
     const int row = m0 + row_local;
-    if (row < sq) {
+    if (row < m1) {
       *reinterpret_cast<uint4*>(o_head + row * args.q_row_stride + chunk * 8) = val;
     }
   }
 }
 
-// Launches fwd_kernel<Tr, kCausal>; params are validated by the dispatcher.
-template <typename Tr, bool kCausal>
+// Launches fwd_kernel; params are validated by the dispatcher (fwd_tc_dispatch.cu), which also
+// chooses the flags: kBand iff the band is bounded on some side or segment ids are given,
+// kSegments iff segment ids are given, kSoftcap iff softcap > 0.
+template <typename Tr, bool kBand, bool kSegments, bool kSoftcap>
 cudaError_t launch_fwd(const FwdParams& params, cudaStream_t stream) {
-  const auto kernel = fwd_kernel<Tr, kCausal>;
-  if constexpr (Tr::kSmemBytes > 48 * 1024) {
+  const auto kernel = fwd_kernel<Tr, kBand, kSegments, kSoftcap>;
+  constexpr int kSmemBytes = Tr::smem_bytes(kSegments);
+  const SeqLayout& layout = params.layout;
+  const int64_t tiles = layout.tiles(Tr::kBlockM, false);
+  const int64_t grid = tiles * params.heads_q;
+  if (grid > INT_MAX) return cudaErrorInvalidValue;
+  if (grid == 0) return cudaSuccess;
+  if constexpr (kSmemBytes > 48 * 1024) {
     const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
     if (err != cudaSuccess) return err;
   }
   FwdArgs args;
@@ -543,37 +784,51 @@ cudaError_t launch_fwd(const FwdParams& params, cudaStream_t stream) {
   args.lse = static_cast<float*>(params.lse);
   args.q_row_stride = params.heads_q * Tr::kHeadDim;
   args.kv_row_stride = params.heads_kv * Tr::kHeadDim;
-  args.q_batch_stride = params.seqlen_q * args.q_row_stride;
-  args.kv_batch_stride = params.seqlen_k * args.kv_row_stride;
-  args.seqlen_q = static_cast<int>(params.seqlen_q);
-  args.seqlen_k = static_cast<int>(params.seqlen_k);
+  args.layout = layout;
+  args.band = params.mask.band;
+  args.segments = params.mask.segments;
+  args.q_id_chunks = (layout.seqlen_q + kSegmentChunk - 1) / kSegmentChunk;
+  args.kv_id_chunks = (layout.seqlen_k + kSegmentChunk - 1) / kSegmentChunk;
+  args.sinks = static_cast<const float*>(params.mask.sinks);
+  args.sinks_batch_stride = params.mask.sinks_batch_stride;
   args.heads_q = static_cast<int>(params.heads_q);
   args.q_per_kv = static_cast<int>(params.heads_q / params.heads_kv);
-  const int64_t num_m_blocks = (params.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
-  args.num_m_blocks = static_cast<int>(num_m_blocks);
-  args.scale_log2 = static_cast<float>(params.softmax_scale * 1.4426950408889634);
-  const int64_t grid = num_m_blocks * params.heads_q * params.batch;
-  if (grid > INT_MAX) return cudaErrorInvalidValue;
-  kernel<<<static_cast<unsigned>(grid), Tr::kNThreads, Tr::kSmemBytes, stream>>>(args);
+  args.tiles = static_cast<int>(tiles);
+  args.seq_tiles =
+      layout.varlen() ? 0 : static_cast<int>((layout.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
+  args.reverse = kBand && params.mask.band.right < kUnbounded;
+  constexpr double kLog2e = 1.4426950408889634;
+  const double softcap = params.mask.softcap;
+  args.scale_log2 = static_cast<float>((kSoftcap ? softcap : params.softmax_scale) * kLog2e);
+  args.cap_scale = kSoftcap ? static_cast<float>(params.softmax_scale / softcap) : 0.f;
+  kernel<<<static_cast<unsigned>(grid), Tr::kNThreads, kSmemBytes, stream>>>(args);
   return cudaGetLastError();
 }
 
-// The forward for one (dtype, head_dim, causal) with the tile fwd_tile(head_dim).
-template <typename T, int kHeadDim, bool kCausal>
+// The forward for one (dtype, head_dim, mask flags) with the tile fwd_tile(head_dim).
+template <typename T, int kHeadDim, bool kBand, bool kSegments, bool kSoftcap>
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
-  return launch_fwd<FwdTraitsFor<T, kHeadDim>, kCausal>(params, stream);
+  return launch_fwd<FwdTraitsFor<T, kHeadDim>, kBand, kSegments, kSoftcap>(params, stream);
 }
 
-// Declared here and defined once in fwd_tc_hdim{64,128,256}.cu, one file per head_dim.
-#define JAX_FLASH_FWD_TC_EXTERN(T, D)                                               \
-  extern template cudaError_t run_fwd<T, D, false>(const FwdParams&, cudaStream_t); \
-  extern template cudaError_t run_fwd<T, D, true>(const FwdParams&, cudaStream_t);
-JAX_FLASH_FWD_TC_EXTERN(__half, 64)
-JAX_FLASH_FWD_TC_EXTERN(__half, 128)
-JAX_FLASH_FWD_TC_EXTERN(__half, 256)
-JAX_FLASH_FWD_TC_EXTERN(__nv_bfloat16, 64)
-JAX_FLASH_FWD_TC_EXTERN(__nv_bfloat16, 128)
-JAX_FLASH_FWD_TC_EXTERN(__nv_bfloat16, 256)
+// The flag combinations that exist: (kBand, kSegments) in {(0, 0), (1, 0), (1, 1)}, each with
+// and without kSoftcap. Declared here and defined once in fwd_tc_hdim{64,128,256}.cu, one file
+// per head_dim.
+#define JAX_FLASH_FWD_TC_FLAGS(X, T, D) \
+  X(T, D, false, false, false)          \
+  X(T, D, false, false, true)           \
+  X(T, D, true, false, false)           \
+  X(T, D, true, false, true)            \
+  X(T, D, true, true, false)            \
+  X(T, D, true, true, true)
+#define JAX_FLASH_FWD_TC_EXTERN(T, D, B, S, C) \
+  extern template cudaError_t run_fwd<T, D, B, S, C>(const FwdParams&, cudaStream_t);
+JAX_FLASH_FWD_TC_FLAGS(JAX_FLASH_FWD_TC_EXTERN, __half, 64)
+JAX_FLASH_FWD_TC_FLAGS(JAX_FLASH_FWD_TC_EXTERN, __half, 128)
+JAX_FLASH_FWD_TC_FLAGS(JAX_FLASH_FWD_TC_EXTERN, __half, 256)
+JAX_FLASH_FWD_TC_FLAGS(JAX_FLASH_FWD_TC_EXTERN, __nv_bfloat16, 64)
+JAX_FLASH_FWD_TC_FLAGS(JAX_FLASH_FWD_TC_EXTERN, __nv_bfloat16, 128)
+JAX_FLASH_FWD_TC_FLAGS(JAX_FLASH_FWD_TC_EXTERN, __nv_bfloat16, 256)
 #undef JAX_FLASH_FWD_TC_EXTERN
 
 }  // namespace jax_flash::cuda::fwd_tc

@@ -1,5 +1,6 @@
-// The one place where the forward's runtime values (dtype, head_dim, causal) become template
-// arguments; anything the tensor-core kernel does not support is cudaErrorInvalidValue.
+// The one place where the forward's runtime values (dtype, head_dim, mask features) become
+// template arguments. Values the tensor-core kernel does not take are cudaErrorInvalidValue,
+// features it cannot honour cudaErrorNotSupported; nothing falls back to another kernel.
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -12,33 +13,56 @@
 namespace jax_flash::cuda {
 namespace {
 
+template <typename T, int kHeadDim, bool kBand, bool kSegments>
+cudaError_t fwd_softcap_switch(const FwdParams& params, cudaStream_t stream) {
+  return params.mask.softcap > 0.0
+             ? fwd_tc::run_fwd<T, kHeadDim, kBand, kSegments, true>(params, stream)
+             : fwd_tc::run_fwd<T, kHeadDim, kBand, kSegments, false>(params, stream);
+}
+
+// Segment ids run on the band kernel (an unbounded band costs only the boundary tiles' compares);
+// an unbounded band without them needs only the sequence-end mask.
 template <typename T, int kHeadDim>
-cudaError_t fwd_causal_switch(const FwdParams& params, cudaStream_t stream) {
-  return params.causal ? fwd_tc::run_fwd<T, kHeadDim, true>(params, stream)
-                       : fwd_tc::run_fwd<T, kHeadDim, false>(params, stream);
+cudaError_t fwd_mask_switch(const FwdParams& params, cudaStream_t stream) {
+  if (params.mask.segments.enabled()) {
+    return fwd_softcap_switch<T, kHeadDim, true, true>(params, stream);
+  }
+  if (!params.mask.band.unbounded()) {
+    return fwd_softcap_switch<T, kHeadDim, true, false>(params, stream);
+  }
+  return fwd_softcap_switch<T, kHeadDim, false, false>(params, stream);
 }
 
 template <typename T>
 cudaError_t fwd_head_dim_switch(const FwdParams& params, cudaStream_t stream) {
   switch (params.head_dim) {
     case 64:
-      return fwd_causal_switch<T, 64>(params, stream);
+      return fwd_mask_switch<T, 64>(params, stream);
     case 128:
-      return fwd_causal_switch<T, 128>(params, stream);
+      return fwd_mask_switch<T, 128>(params, stream);
     case 256:
-      return fwd_causal_switch<T, 256>(params, stream);
+      return fwd_mask_switch<T, 256>(params, stream);
     default:
       return cudaErrorInvalidValue;
   }
 }
 
-// The kernel indexes sequence positions in 32-bit ints and folds scale * log2(e) into one FMA,
-// which keeps the row max only for a positive scale.
+// The kernel indexes sequence positions in 32-bit ints and folds scale * log2(e) (or
+// softcap * log2(e)) into one FMA, which keeps the row max only for a positive factor.
 bool fwd_params_supported(const FwdParams& p) {
   constexpr int64_t kMaxSeqlen = INT_MAX / 4;
-  return p.batch >= 0 && p.heads_q >= 0 && p.heads_kv > 0 && p.heads_q % p.heads_kv == 0 &&
-         p.seqlen_q >= 0 && p.seqlen_q <= kMaxSeqlen && p.seqlen_k >= 0 &&
-         p.seqlen_k <= kMaxSeqlen && std::isfinite(p.softmax_scale) && p.softmax_scale > 0.0;
+  const SeqLayout& l = p.layout;
+  const MaskParams& m = p.mask;
+  const bool lengths_ok =
+      l.varlen() ? l.cu_seqlens_k != nullptr && l.num_seqs >= 0 && l.total_q >= 0 &&
+                       l.total_q <= kMaxSeqlen && l.total_k >= 0 && l.total_k <= kMaxSeqlen
+                 : l.batch >= 0 && l.seqlen_q >= 0 && l.seqlen_q <= kMaxSeqlen && l.seqlen_k >= 0 &&
+                       l.seqlen_k <= kMaxSeqlen;
+  return lengths_ok && p.heads_q >= 0 && p.heads_kv > 0 && p.heads_q % p.heads_kv == 0 &&
+         l.heads_q == p.heads_q && std::isfinite(p.softmax_scale) && p.softmax_scale > 0.0 &&
+         std::isfinite(m.softcap) && m.softcap >= 0.0 && m.band.left >= 0 && m.band.right >= 0 &&
+         (!m.segments.enabled() ||
+          (m.segments.kv_ids && m.segments.q_ranges && m.segments.kv_ranges));
 }
 
 }  // namespace
@@ -49,7 +73,9 @@ cudaError_t fwd_tensor_core(const FwdParams& params, DType dtype, cudaStream_t s
   if (params.head_dim != 64 && params.head_dim != 128 && params.head_dim != 256) {
     return cudaErrorInvalidValue;
   }
-  if (params.batch == 0 || params.heads_q == 0 || params.seqlen_q == 0) return cudaSuccess;
+  // Segment ids are per dense batch row; a packed call has none.
+  if (params.layout.varlen() && params.mask.segments.enabled()) return cudaErrorNotSupported;
+  if (params.layout.rows_q() == 0 || params.heads_q == 0) return cudaSuccess;
   return dtype == DType::kF16 ? fwd_head_dim_switch<__half>(params, stream)
                               : fwd_head_dim_switch<__nv_bfloat16>(params, stream);
 }
