@@ -1,5 +1,7 @@
 // Host side of the Hopper wgmma forward: checks, TMA tensor maps and the dtype -> head_dim ->
-// causal dispatch to the kernel instantiations.
+// mask -> softcap -> key-length dispatch to the kernel instantiations.
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -13,77 +15,160 @@ namespace {
 using sm90::aligned;
 using sm90::current_device_is_sm90;
 using sm90::encode_bshd;
+using sm90::FwdMask;
 using sm90::FwdWgmmaArgs;
 using sm90::FwdWgmmaTraits;
 
-bool params_supported(const FwdParams& p, DType dtype) {
-  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
-  if (!sm90::common_params_supported(p, dtype)) return false;
-  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return false;
-  if (p.batch > kIntMax || p.seqlen_q > kIntMax || p.seqlen_k > kIntMax || p.heads_q > kIntMax) {
+constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+constexpr double kLog2e = 1.4426950408889634;
+
+// Row counts, lengths and the tiles of a call, all from the layout.
+bool layout_supported(const FwdParams& p) {
+  const SeqLayout& l = p.layout;
+  if (l.heads_q != p.heads_q) return false;
+  if (l.varlen()) {
+    if (l.cu_seqlens_k == nullptr || !aligned(l.cu_seqlens_q, 4) || !aligned(l.cu_seqlens_k, 4)) {
+      return false;
+    }
+    if (l.num_seqs < 0 || l.num_seqs >= kIntMax || l.total_q < 0 || l.total_q > kIntMax ||
+        l.total_k < 0 || l.total_k > kIntMax) {
+      return false;
+    }
+  } else if (l.batch < 0 || l.batch > kIntMax || l.seqlen_q < 0 || l.seqlen_q > kIntMax ||
+             l.seqlen_k < 0 || l.seqlen_k > kIntMax) {
     return false;
   }
   // 128 is the smallest query tile of the family, so this bounds every grid.
-  const int64_t m_blocks = (p.seqlen_q + 127) / 128;
-  if (m_blocks * p.heads_q * p.batch > kIntMax) return false;
+  const int64_t tiles =
+      l.varlen() ? l.total_q / 128 + l.num_seqs + 1 : l.batch * ((l.seqlen_q + 127) / 128);
+  return tiles <= kIntMax / std::max<int64_t>(p.heads_q, 1);
+}
+
+bool mask_supported(const FwdParams& p) {
+  const MaskParams& m = p.mask;
+  if (m.band.left < 0 || m.band.right < 0) return false;
+  if (!std::isfinite(m.softcap) || m.softcap < 0.0) return false;
+  if (m.sinks != nullptr && !aligned(m.sinks, 4)) return false;
+  if (m.segments.enabled()) {
+    // Segment ids are defined for dense batches only.
+    const SegmentIds& s = m.segments;
+    if (p.layout.varlen() || s.kv_ids == nullptr || s.q_ranges == nullptr ||
+        s.kv_ranges == nullptr) {
+      return false;
+    }
+    if (!aligned(s.q_ids, 4) || !aligned(s.kv_ids, 4) || !aligned(s.q_ranges, 4) ||
+        !aligned(s.kv_ranges, 4)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool params_supported(const FwdParams& p, DType dtype) {
+  if (!sm90::common_params_supported(p, dtype)) return false;
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return false;
+  if (p.heads_q > kIntMax) return false;
+  if (!layout_supported(p) || !mask_supported(p)) return false;
   return aligned(p.q, 16) && aligned(p.k, 16) && aligned(p.v, 16) && aligned(p.o, 16);
 }
 
-template <typename T, int kHeadDim, bool kCausal, bool kLongKeys>
+// The most keys one query row can see: the key length, or a window's width when both sides of
+// the band are bounded. It chooses the tile only (layout.max_seqlen_k is a bound, not a size).
+int64_t visible_keys(const FwdParams& p) {
+  const SeqLayout& l = p.layout;
+  const int64_t keys = l.varlen() ? std::max(l.max_seqlen_k, int64_t{0}) : l.seqlen_k;
+  const Band& b = p.mask.band;
+  if (b.left >= kUnbounded || b.right >= kUnbounded) return keys;
+  return std::min(keys, b.left + b.right + 1);
+}
+
+template <typename T, int kHeadDim, FwdMask kMask, bool kSoftcap, bool kLongKeys>
 cudaError_t launch(const FwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
-  using Tr = FwdWgmmaTraits<T, kHeadDim, kCausal, kLongKeys>;
+  using Tr = FwdWgmmaTraits<T, kHeadDim, kMask, kSoftcap, kLongKeys>;
+  const SeqLayout& l = p.layout;
+  // Dense: [batch, seqlen, heads, D] maps. Packed: the [rows, heads, D] views as one sequence.
+  const int64_t map_batch = l.varlen() ? 1 : l.batch;
+  const int64_t q_rows = l.varlen() ? l.total_q : l.seqlen_q;
+  const int64_t k_rows = l.varlen() ? l.total_k : l.seqlen_k;
   CUtensorMap tm_q, tm_k, tm_v, tm_o;
-  if (!encode_bshd(&tm_q, type, p.q, p.batch, p.seqlen_q, p.heads_q, kHeadDim, Tr::kBlockM) ||
-      !encode_bshd(&tm_k, type, p.k, p.batch, p.seqlen_k, p.heads_kv, kHeadDim, Tr::kBlockN) ||
-      !encode_bshd(&tm_v, type, p.v, p.batch, p.seqlen_k, p.heads_kv, kHeadDim, Tr::kBlockN) ||
-      !encode_bshd(&tm_o, type, p.o, p.batch, p.seqlen_q, p.heads_q, kHeadDim,
+  if (!encode_bshd(&tm_q, type, p.q, map_batch, q_rows, p.heads_q, kHeadDim, Tr::kBlockM) ||
+      !encode_bshd(&tm_k, type, p.k, map_batch, k_rows, p.heads_kv, kHeadDim, Tr::kBlockN) ||
+      !encode_bshd(&tm_v, type, p.v, map_batch, k_rows, p.heads_kv, kHeadDim, Tr::kBlockN) ||
+      !encode_bshd(&tm_o, type, p.o, map_batch, q_rows, p.heads_q, kHeadDim,
                    Tr::kBlockM / Tr::kConsumerWarpgroups)) {
     return cudaErrorInvalidValue;
   }
-  FwdWgmmaArgs args;
+  FwdWgmmaArgs args{};
+  args.o = p.o;
   args.lse = static_cast<float*>(p.lse);
-  args.seqlen_q = static_cast<int>(p.seqlen_q);
-  args.seqlen_k = static_cast<int>(p.seqlen_k);
+  args.layout = l;
+  // Any bound from kUnbounded up means none; clamping keeps the kernel's band arithmetic far from
+  // int64 overflow.
+  args.band.left = std::min(p.mask.band.left, kUnbounded);
+  args.band.right = std::min(p.mask.band.right, kUnbounded);
+  args.segments = p.mask.segments;
+  args.sinks = static_cast<const float*>(p.mask.sinks);
+  args.sinks_batch_stride = p.mask.sinks_batch_stride;
+  args.tiles = l.tiles(Tr::kBlockM, false);
   args.heads_q = static_cast<int>(p.heads_q);
   args.group = static_cast<int>(p.heads_q / p.heads_kv);
-  args.m_blocks = static_cast<int>((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
-  args.scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
+  args.m_blocks = l.varlen() ? 0 : static_cast<int>((l.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
+  args.scale_log2 = static_cast<float>(p.softmax_scale * kLog2e);
+  if constexpr (kSoftcap) {
+    args.softcap_scale = static_cast<float>(p.softmax_scale / p.mask.softcap);
+    args.softcap_log2 = static_cast<float>(p.mask.softcap * kLog2e);
+  }
+  if (args.tiles == 0) return cudaSuccess;
 
   const auto kernel = sm90::fwd_wgmma_kernel<Tr>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const unsigned grid = static_cast<unsigned>(args.m_blocks * p.heads_q * p.batch);
+  const unsigned grid = static_cast<unsigned>(args.tiles * p.heads_q);
   kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(args, tm_q, tm_k, tm_v, tm_o);
   return cudaGetLastError();
 }
 
 // Instantiates the long-keys variant only where its tile differs.
-template <typename T, int kHeadDim, bool kCausal>
+template <typename T, int kHeadDim, FwdMask kMask, bool kSoftcap>
 cudaError_t dispatch_length(const FwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
-  constexpr bool kDiffers = sm90::fwd_wgmma_tile(kHeadDim, kCausal, true).block_n !=
-                            sm90::fwd_wgmma_tile(kHeadDim, kCausal, false).block_n;
+  constexpr bool kDiffers = sm90::fwd_wgmma_tile(kHeadDim, kMask, true).block_n !=
+                            sm90::fwd_wgmma_tile(kHeadDim, kMask, false).block_n;
   if constexpr (kDiffers) {
-    if (p.seqlen_k >= sm90::kLongKeys) return launch<T, kHeadDim, kCausal, true>(p, type, stream);
+    if (visible_keys(p) >= sm90::kLongKeys) {
+      return launch<T, kHeadDim, kMask, kSoftcap, true>(p, type, stream);
+    }
   }
-  return launch<T, kHeadDim, kCausal, false>(p, type, stream);
+  return launch<T, kHeadDim, kMask, kSoftcap, false>(p, type, stream);
 }
 
+template <typename T, int kHeadDim, FwdMask kMask>
+cudaError_t dispatch_softcap(const FwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
+  return p.mask.softcap > 0.0 ? dispatch_length<T, kHeadDim, kMask, true>(p, type, stream)
+                              : dispatch_length<T, kHeadDim, kMask, false>(p, type, stream);
+}
+
+// Segment ids take the band's code path too (with any band); an unbounded band without them runs
+// the unmasked kernel.
 template <typename T, int kHeadDim>
-cudaError_t dispatch_causal(const FwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
-  return p.causal ? dispatch_length<T, kHeadDim, true>(p, type, stream)
-                  : dispatch_length<T, kHeadDim, false>(p, type, stream);
+cudaError_t dispatch_mask(const FwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
+  if (p.mask.segments.enabled()) {
+    return dispatch_softcap<T, kHeadDim, FwdMask::kSegments>(p, type, stream);
+  }
+  if (!p.mask.band.unbounded())
+    return dispatch_softcap<T, kHeadDim, FwdMask::kBand>(p, type, stream);
+  return dispatch_softcap<T, kHeadDim, FwdMask::kNone>(p, type, stream);
 }
 
 template <typename T>
 cudaError_t dispatch_head_dim(const FwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
   switch (p.head_dim) {
     case 64:
-      return dispatch_causal<T, 64>(p, type, stream);
+      return dispatch_mask<T, 64>(p, type, stream);
     case 128:
-      return dispatch_causal<T, 128>(p, type, stream);
+      return dispatch_mask<T, 128>(p, type, stream);
     case 256:
-      return dispatch_causal<T, 256>(p, type, stream);
+      return dispatch_mask<T, 256>(p, type, stream);
     default:
       return cudaErrorInvalidValue;
   }
@@ -98,7 +183,7 @@ bool fwd_wgmma_supported(const FwdParams& params, DType dtype) {
 cudaError_t fwd_wgmma(const FwdParams& params, DType dtype, cudaStream_t stream) {
   if (!current_device_is_sm90()) return cudaErrorNotSupported;
   if (!params_supported(params, dtype)) return cudaErrorInvalidValue;
-  if (params.batch == 0 || params.seqlen_q == 0) return cudaSuccess;
+  if (params.layout.rows_q() == 0) return cudaSuccess;
   if (dtype == DType::kBF16) {
     return dispatch_head_dim<__nv_bfloat16>(params, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream);
   }

@@ -6,6 +6,15 @@
 // consumers take turns issuing GEMMs (ping-pong), and each overlaps the softmax of one key block
 // with the P V GEMM of the previous one.
 //
+// Which keys a query tile visits and which scores exist come from the shared mask policy
+// (common/mask.h) and tile scheduler (common/schedule.h): a query tile visits the key blocks of
+// its band's key range, minus (segment ids) those whose ids it cannot share; only blocks that are
+// not `tile_full` get element masking. Dense batches and packed (cu_seqlens) batches run the same
+// kernel: dense TMA maps are [batch, seqlen, heads, head_dim], so rows past a sequence read as
+// zeros and stores past it are clipped; packed maps are one [total rows, heads, head_dim] view, so
+// a tile straddling a sequence end reads its neighbour's rows, and the kernel zeroes those V rows
+// and stores those O rows by hand (see the producer and the epilogue).
+//
 // Shared-memory tiles are stored as the TMA writes them with 128-byte swizzling: a tile of R rows
 // and D columns is D / 64 "panels" of R rows x 128 bytes, and inside each panel the 16-byte chunk
 // c of row r sits at chunk c ^ (r % 8). Every tile starts on a 1024-byte boundary so that the
@@ -23,6 +32,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/mask.h"
+#include "common/schedule.h"
 #include "cuda/tc_primitives.cuh"
 
 // wgmma, setmaxnreg and the TMA tensor instructions used here exist only on the sm_90a target;
@@ -37,43 +48,65 @@ namespace jax_flash::cuda::sm90 {
 
 // Everything a launch needs besides the four tensor maps, computed on the host.
 struct FwdWgmmaArgs {
-  float* lse;  // [batch, heads_q, seqlen_q]
-  int seqlen_q;
-  int seqlen_k;
+  void* o;     // packed calls store the O rows of a tile that straddles a sequence end by hand
+  float* lse;  // dense [batch, heads_q, seqlen_q], packed [heads_q, total_q]
+  SeqLayout layout;
+  Band band;
+  SegmentIds segments;  // dense calls only
+  const float* sinks;   // [batch, heads_q] (stride sinks_batch_stride), natural log; or nullptr
+  int64_t sinks_batch_stride;
+  int64_t tiles;  // query tiles per head: layout.tiles(kBlockM, false)
   int heads_q;
-  int group;         // heads_q / heads_kv: query heads sharing one K/V head
-  int m_blocks;      // ceil(seqlen_q / kBlockM)
-  float scale_log2;  // softmax_scale * log2(e): the softmax runs in base 2
+  int group;            // heads_q / heads_kv: query heads sharing one K/V head
+  int m_blocks;         // dense: ceil(seqlen_q / kBlockM), the query tiles of one sequence
+  float scale_log2;     // softmax_scale * log2(e): the softmax runs in base 2
+  float softcap_scale;  // softmax_scale / softcap (soft-capping kernels)
+  float softcap_log2;   // softcap * log2(e): the base-2 scale of the capped score's tanh
 };
+
+// What a kernel instantiation masks, beyond the end of the key sequence (which every kernel
+// handles): nothing (the band is unbounded), a band with a finite bound (causal, sliding windows),
+// or a band plus segment ids.
+enum class FwdMask : int { kNone = 0, kBand = 1, kSegments = 2 };
 
 // Every tile-size choice of the family (after FlashAttention-3's): the number of consumer
 // warpgroups (64 query rows each) and the keys per K/V tile.
 // - head_dim 64: the softmax costs as much as the two GEMMs, so a third consumer warpgroup
 //   (192 query rows) gives the tensor cores more GEMMs to overlap with it and cuts the K/V traffic
 //   per FLOP by a third.
-// - head_dim 128: 176 keys per tile amortise the per-tile softmax bookkeeping; causal keeps 128
-//   for short key sequences, where the partly masked diagonal tiles are a large share of the work.
+// - head_dim 128: 176 keys per tile amortise the per-tile softmax bookkeeping; a band keeps 128
+//   while a query row sees few keys (short causal calls, sliding windows), where the partly masked
+//   tiles at the band's edges are a large share of the work.
 // - head_dim 256: O alone takes 128 registers a thread, so S gets 80 keys (40 registers).
+// - segment ids: document boundaries leave partly masked tiles at any length, and the producer's
+//   key-block walk needs more registers (FwdWgmmaTraits::kProducerRegs), which the consumers give
+//   up: two consumer warpgroups with 128 keys (64 at head_dim 256) fit what is left.
 struct FwdWgmmaTile {
   int consumer_warpgroups;
   int block_n;
 };
 
-constexpr FwdWgmmaTile fwd_wgmma_tile(int head_dim, bool causal, bool long_keys) {
+constexpr FwdWgmmaTile fwd_wgmma_tile(int head_dim, FwdMask mask, bool long_keys) {
+  if (mask == FwdMask::kSegments) return {2, head_dim <= 128 ? 128 : 64};
   if (head_dim <= 64) return {3, 128};
-  if (head_dim <= 128) return {2, causal && !long_keys ? 128 : 176};
+  if (head_dim <= 128) return {2, mask == FwdMask::kBand && !long_keys ? 128 : 176};
   return {2, 80};
 }
 
-// Key sequences at least this long count as long_keys.
+// Query rows that can see at least this many keys count as long_keys.
 inline constexpr int64_t kLongKeys = 4096;
 
-template <typename T, int kHeadDim, bool kCausal, bool kLongKeys>
+template <typename T, int kHeadDim, FwdMask kMaskKind, bool kSoftcapOn, bool kLongKeys>
 struct FwdWgmmaTraits {
   using Element = T;
   static constexpr int kD = kHeadDim;
-  static constexpr bool kIsCausal = kCausal;
-  static constexpr FwdWgmmaTile kTile = fwd_wgmma_tile(kHeadDim, kCausal, kLongKeys);
+  static constexpr FwdMask kMask = kMaskKind;
+  // The band has a finite bound: key ranges and element masks depend on the row.
+  static constexpr bool kBand = kMaskKind != FwdMask::kNone;
+  static constexpr bool kSegments = kMaskKind == FwdMask::kSegments;
+  // s = softcap * tanh(softmax_scale * q.k / softcap).
+  static constexpr bool kSoftcap = kSoftcapOn;
+  static constexpr FwdWgmmaTile kTile = fwd_wgmma_tile(kHeadDim, kMaskKind, kLongKeys);
   static constexpr int kConsumerWarpgroups = kTile.consumer_warpgroups;
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
   // One wgmma M extent (64 rows) per consumer warpgroup.
@@ -82,11 +115,13 @@ struct FwdWgmmaTraits {
   // Consumer warpgroups take turns to issue their GEMMs (FlashAttention-3 ping-pong).
   static constexpr bool kPingPong = true;
 
-  // Registers: the producer needs only addresses and loop counters, the consumers the
-  // accumulators (O: kD / 2, S: kBlockN / 2, P: kBlockN / 4 a thread). The split uses the SM's
-  // 65536 registers: 24 * 128 + 240 * 256 = 64512, 32 * 128 + 160 * 384 = 65536.
-  static constexpr int kProducerRegs = kConsumerWarpgroups == 2 ? 24 : 32;
-  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 240 : 160;
+  // Registers: the producer needs only addresses and loop counters (and, with segment ids, its
+  // key-block walk's ballots), the consumers the accumulators (O: kD / 2, S: kBlockN / 2,
+  // P: kBlockN / 4 a thread). The split uses the registers the CTA is launched with (168 a thread
+  // for 384 threads, 128 for 512): 24 * 128 + 240 * 256 = 40 * 128 + 232 * 256 = 168 * 384 and
+  // 32 * 128 + 160 * 384 = 128 * 512.
+  static constexpr int kProducerRegs = kConsumerWarpgroups == 2 ? (kSegments ? 40 : 24) : 32;
+  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? (kSegments ? 232 : 240) : 160;
 
   // A panel is 64 columns of 16-bit elements: one 128-byte swizzle span per row.
   static constexpr int kPanelCols = 64;
@@ -103,8 +138,9 @@ struct FwdWgmmaTraits {
   static constexpr int kKOffset = kQOffset + kQBytes;
   static constexpr int kVOffset = kKOffset + kStages * kKVStageBytes;
   static constexpr int kBarOffset = kVOffset + kStages * kKVStageBytes;
-  // mbarriers: Q full, then K full, V full, K empty, V empty per stage.
-  static constexpr int kNumBarriers = 1 + 4 * kStages;
+  // mbarriers: Q full, then K full, V full, K empty, V empty per stage, then the V tile that
+  // straddles a packed sequence's end (it lands there and is released once its tail is zeroed).
+  static constexpr int kNumBarriers = 2 + 4 * kStages;
   // The extra 1024 bytes let the kernel round the dynamic shared-memory base up to the 1024-byte
   // swizzle period.
   static constexpr int kSmemBytes = kBarOffset + 8 * kNumBarriers + 1024;
@@ -113,11 +149,15 @@ struct FwdWgmmaTraits {
   static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3);
   static_assert(kD % kPanelCols == 0, "head_dim must be a multiple of one 128-byte panel");
   static_assert(kBlockN % 16 == 0 && kD % 16 == 0, "wgmma K extent is 16");
+  static_assert(kBlockM % kSegmentChunk == 0 && kBlockN % kSegmentChunk == 0,
+                "segment-id chunk summaries must tile both tile sizes");
   static_assert(kBlockM <= 256 && kBlockN <= 256, "TMA boxes hold at most 256 rows");
   static_assert(kQPanelBytes % 1024 == 0 && kKVPanelBytes % 1024 == 0,
                 "every tile must stay on the 1024-byte swizzle period");
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the 227 KB of shared memory a block may use");
-  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWarpgroups <= 65536);
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWarpgroups <=
+                    (65536 / kThreads / 8 * 8) * kThreads,
+                "setmaxnreg can only move the registers the CTA was launched with");
 };
 
 #if JAX_FLASH_SM90A
@@ -410,54 +450,152 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[kN / 2], const uint32_t (&a)
 inline constexpr int kBarSchedBase = 1;     // + consumer warpgroup: its turn to issue wgmma
 inline constexpr int kBarEpilogueBase = 4;  // + consumer warpgroup: its own 128 threads
 
-// Number of K/V blocks a query tile starting at m0 must visit. Causal (bottom-right aligned): the
-// last row m_last sees keys up to m_last + seqlen_k - seqlen_q, so later blocks are skipped.
-template <int kBlockM, int kBlockN, bool kCausal>
-__device__ __forceinline__ int visible_key_blocks(int m0, int seqlen_q, int seqlen_k) {
-  const int all = (seqlen_k + kBlockN - 1) / kBlockN;
-  if constexpr (!kCausal) {
-    return all;
+// The key blocks one query tile visits, last to first: the blocks of [first, last), the band's key
+// range, less (with segment ids) those whose id range is disjoint from the query tile's. The
+// producer warp and every consumer warp walk the same sequence from the same inputs, so they agree
+// on stages, barrier phases and ping-pong turns without exchanging anything.
+struct KeyWalk {
+  int first;
+  // Without segment ids: the block returned last. With them: the block of bit 0 of the window of
+  // 32 candidate blocks top, top - 1, .., top - 31 evaluated last.
+  int top;
+  uint32_t visit;  // segment ids: bit k set = block top - k is still to visit
+  uint32_t mixed;  // segment ids: bit k set = block top - k needs segment element masking
+};
+
+// The segment-id summaries a walk consults (segment ids only).
+struct SegmentWalk {
+  const int32_t* kv_ranges;  // the batch row's key chunk ranges
+  IdRange q_tile;            // ids of the whole query tile: which blocks are visited
+  IdRange q_rows;            // ids of the caller's own rows: which visited blocks need masking
+  int64_t len_k;
+};
+
+template <bool kSegments>
+__device__ __forceinline__ KeyWalk key_walk(int first, int last) {
+  // With segment ids, the first call evaluates the window just below top = last - 1 + 32.
+  return {first, kSegments ? last - 1 + 32 : last, 0u, 0u};
+}
+
+// The next block of the walk, or a value below `first` once it is done. With segment ids every
+// lane of the warp must call it together: one ballot decides 32 candidate blocks at once, so a
+// tile that skips many blocks (one document among many) pays one round of chunk-range loads per 32
+// blocks, not per block. kMixed also records, per visited block, whether the caller's rows and the
+// block hold anything but one and the same id (then `mixed` is set and elements are masked).
+template <int kBlockN, bool kSegments, bool kMixed>
+__device__ __forceinline__ int next_key_block(KeyWalk& w, const SegmentWalk& seg, bool& mixed) {
+  mixed = false;
+  if constexpr (!kSegments) {
+    return --w.top;
   } else {
-    const int m_last = min(m0 + kBlockM, seqlen_q) - 1;
-    const int last_key = m_last + (seqlen_k - seqlen_q);
-    if (last_key < 0) return 0;
-    return min(all, last_key / kBlockN + 1);
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    while (w.visit == 0) {
+      w.top -= 32;
+      if (w.top < w.first) return w.first - 1;
+      const int cand = w.top - lane;
+      bool visit = false;
+      bool cand_mixed = false;
+      if (cand >= w.first) {
+        const int64_t c0 = static_cast<int64_t>(cand) * kBlockN;
+        const int64_t c1 = c0 + kBlockN < seg.len_k ? c0 + kBlockN : seg.len_k;
+        const IdRange kv = id_range(seg.kv_ranges, c0, c1);
+        visit = !seg.q_tile.disjoint(kv);
+        cand_mixed = !seg.q_rows.same_single(kv);
+      }
+      w.visit = __ballot_sync(0xffffffffu, visit);
+      if constexpr (kMixed) w.mixed = __ballot_sync(0xffffffffu, visit && cand_mixed);
+    }
+    const int k = __ffs(static_cast<int>(w.visit)) - 1;
+    w.visit &= w.visit - 1;
+    if constexpr (kMixed) mixed = ((w.mixed >> k) & 1u) != 0;
+    return w.top - k;
   }
 }
 
-// Whether some key of block n0..n0+kBlockN-1 is invisible to some row of the query tile at m0:
-// past seqlen_k, or (causal) past the diagonal of the tile's first row.
-template <int kBlockN, bool kCausal>
-__device__ __forceinline__ bool block_needs_mask(int n0, int m0, int seqlen_q, int seqlen_k) {
-  const int n_end = n0 + kBlockN;
-  if (n_end > seqlen_k) return true;
-  if constexpr (kCausal) return n_end - 1 > m0 + (seqlen_k - seqlen_q);
-  return false;
+// x, which is the same in every lane, as the compiler sees a warp-uniform value (a warp reduction
+// leaves its result in a uniform register). The whole warp must call it.
+__device__ __forceinline__ int warp_uniform(int x) { return __reduce_min_sync(0xffffffffu, x); }
+
+__device__ __forceinline__ int64_t warp_uniform(int64_t x) {
+  const uint32_t lo = __reduce_min_sync(0xffffffffu, static_cast<uint32_t>(x));
+  const uint32_t hi = __reduce_min_sync(0xffffffffu, static_cast<uint32_t>(x >> 32));
+  return static_cast<int64_t>((static_cast<uint64_t>(hi) << 32) | lo);
 }
 
-// Online softmax of one S tile in base 2 (FlashAttention-2, Algorithm 1, lines 8-10): masks
-// invisible keys to -inf, updates the running row max m and partial row sum l, replaces S by
-// P = 2^(S * scale_log2 - m) and returns the factor alpha by which O must be rescaled. A row that
-// has seen no key keeps m = -inf; its subtraction point is clamped to 0 so that P = 0 and alpha = 0
-// come out instead of NaN.
-template <int kBlockN, bool kCausal, bool kMask>
-__device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 2], float (&m)[2],
-                                               float (&l)[2], float (&alpha)[2], int n0, int row,
-                                               int t, const FwdWgmmaArgs& args) {
-  if constexpr (kMask) {
-    const int diag = args.seqlen_k - args.seqlen_q;
+__device__ __forceinline__ SeqTile warp_uniform(const SeqTile& x) {
+  const SeqSpan& s = x.span;
+  return {{warp_uniform(s.seq), warp_uniform(s.batch), warp_uniform(s.q_start),
+           warp_uniform(s.k_start), warp_uniform(s.len_q), warp_uniform(s.len_k),
+           warp_uniform(s.stat_start), warp_uniform(s.stat_head)},
+          warp_uniform(x.block)};
+}
+
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Logit soft-capping, first half: S = tanh(softmax_scale / softcap * q.k). The factor
+// softcap * log2(e) is applied by the online softmax in place of scale_log2, where it folds into
+// the exp2's FMA; it is positive, so the row max commutes with it.
+template <int kN>
+__device__ __forceinline__ void apply_softcap(float (&s)[kN], float scale) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int limit = kCausal ? min(args.seqlen_k, row + 8 * r + diag + 1) : args.seqlen_k;
+  for (int i = 0; i < kN; ++i) s[i] = tanh_approx(s[i] * scale);
+}
+
+// Sets the scores of invisible keys to -inf (by select, so a NaN or Inf computed from a row that
+// is not this sequence's stays out). `tm` is the tile mask of this thread's row g and columns
+// from 2t, so column c below is tile column 8i + 2t + e. What the caller knows at compile time
+// or per warpgroup drops compares: without a finite band only the end of the key sequence can
+// hide keys (hi = n_limit), and without kLower no row's lower bound falls inside the tile
+// (lo = 0), so the unbounded kernel's tail tile and a causal diagonal tile cost one compare a
+// score. With segment ids and `mixed`, key j must also hold row i's id.
+template <int kBlockN, bool kBand, bool kLower, bool kSegments>
+__device__ __forceinline__ void apply_mask(float (&s)[kBlockN / 2], const TileMask& tm, bool mixed,
+                                           const int32_t* kv_ids, int kv_col0, int kv_last,
+                                           const int (&q_id)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int lo = kLower ? tm.lo(8 * r) : 0;
+    const int hi = kBand ? tm.hi(8 * r) : tm.n_limit;
+#pragma unroll
+    for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = 8 * i + e;
+        if (c < lo || c >= hi) s[4 * i + 2 * r + e] = -CUDART_INF_F;
+      }
+    }
+  }
+  if constexpr (kSegments) {
+    if (mixed) {
 #pragma unroll
       for (int i = 0; i < kBlockN / 8; ++i) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          if (n0 + 8 * i + 2 * t + e >= limit) s[4 * i + 2 * r + e] = -CUDART_INF_F;
+          // Columns past the sequence end are already hidden; clamping keeps the load in bounds.
+          const int j = min(kv_col0 + 8 * i + e, kv_last);
+          const int kv = __ldg(kv_ids + j);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            if (kv != q_id[r]) s[4 * i + 2 * r + e] = -CUDART_INF_F;
+          }
         }
       }
     }
   }
+}
+
+// Online softmax of one S tile in base 2 (FlashAttention-2, Algorithm 1, lines 8-10): updates the
+// running row max m and partial row sum l, replaces S by P = 2^(S * scale - m) and returns the
+// factor alpha by which O must be rescaled. `scale` is scale_log2, or softcap * log2(e) on
+// soft-capped (tanh) scores. A row that has seen no key keeps m = -inf; its subtraction point is
+// clamped to 0 so that P = 0 and alpha = 0 come out instead of NaN.
+template <int kBlockN>
+__device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 2], float (&m)[2],
+                                               float (&l)[2], float (&alpha)[2], float scale) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mx = -CUDART_INF_F;
@@ -467,7 +605,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 2], float (&
     }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m[r], mx * args.scale_log2);
+    const float m_new = fmaxf(m[r], mx * scale);
     const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;
     alpha[r] = tc::fast_exp2(m[r] - m_use);
     m[r] = m_new;
@@ -475,14 +613,28 @@ __device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 2], float (&
     float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
     for (int i = 0; i < kBlockN / 8; ++i) {
-      const float p0 = tc::fast_exp2(fmaf(s[4 * i + 2 * r], args.scale_log2, -m_use));
-      const float p1 = tc::fast_exp2(fmaf(s[4 * i + 2 * r + 1], args.scale_log2, -m_use));
+      const float p0 = tc::fast_exp2(fmaf(s[4 * i + 2 * r], scale, -m_use));
+      const float p1 = tc::fast_exp2(fmaf(s[4 * i + 2 * r + 1], scale, -m_use));
       s[4 * i + 2 * r] = p0;
       s[4 * i + 2 * r + 1] = p1;
       sum0 += p0;
       sum1 += p1;
     }
     l[r] = l[r] * alpha[r] + (sum0 + sum1);
+  }
+}
+
+// Zeroes rows [valid, kBlockN) of one K/V stage tile, every panel, with one warp. A whole
+// 128-byte row is cleared, so the swizzle inside it does not matter.
+template <class Tr>
+__device__ __forceinline__ void zero_tile_rows(uint8_t* tile, int valid, int lane) {
+#pragma unroll
+  for (int p = 0; p < Tr::kPanels; ++p) {
+    uint8_t* const panel = tile + p * Tr::kKVPanelBytes;
+    for (int chunk = valid * (Tr::kRowBytes / 16) + lane;
+         chunk < Tr::kBlockN * (Tr::kRowBytes / 16); chunk += 32) {
+      *reinterpret_cast<uint4*>(panel + chunk * 16) = make_uint4(0u, 0u, 0u, 0u);
+    }
   }
 }
 
@@ -551,9 +703,10 @@ __device__ __forceinline__ void issue_pv(float (&o)[Tr::kD / 2],
 
 #endif  // JAX_FLASH_SM90A
 
-// One CTA per (kBlockM-row query tile, query head, batch element); blockIdx.x enumerates the
-// query tiles of one head fastest so that the CTAs running together share that head's K/V in L2.
-// Warpgroup 0 is the TMA producer, the others the consumers.
+// One CTA per (kBlockM-row query tile, query head). Dense calls enumerate the query tiles of one
+// (batch element, head) fastest, packed calls the tile slots of all sequences of one head (the
+// scheduler's order), so that the CTAs running together share K/V in L2. Warpgroup 0 is the TMA
+// producer, the others the consumers.
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     fwd_wgmma_kernel(const FwdWgmmaArgs args, const __grid_constant__ CUtensorMap tm_q,
@@ -562,11 +715,68 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                      const __grid_constant__ CUtensorMap tm_o) {
 #if JAX_FLASH_SM90A
   using T = typename Tr::Element;
-  constexpr bool kCausal = Tr::kIsCausal;
+  constexpr bool kBand = Tr::kBand;
+  constexpr bool kSegments = Tr::kSegments;
   constexpr int kD = Tr::kD;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kStages = Tr::kStages;
+
+  // ------------------------------------------------------------------ which tile
+  const SeqLayout& layout = args.layout;
+  const bool varlen = layout.varlen();
+  const int cta = static_cast<int>(blockIdx.x);
+  int head;
+  int64_t slot;
+  // Banded tiles near a sequence's end visit the most key blocks (causal): launch them first.
+  if (!varlen) {
+    const int tile = cta % args.m_blocks;
+    const int bh = cta / args.m_blocks;
+    head = bh % args.heads_q;
+    slot = static_cast<int64_t>(bh / args.heads_q) * args.m_blocks +
+           (kBand ? args.m_blocks - 1 - tile : tile);
+  } else {
+    head = static_cast<int>(cta / args.tiles);
+    const int64_t r = cta % args.tiles;
+    slot = kBand ? args.tiles - 1 - r : r;
+  }
+  // The tile's span, as the compiler sees warp-uniform values (packed spans are read from
+  // cu_seqlens): branches on them then need no divergence guards around later shuffles, and the
+  // values can live in uniform registers instead of the consumers' accumulator registers.
+  const SeqTile tile = warp_uniform(layout.tile(slot, kBlockM, false));
+  const SeqSpan& span = tile.span;
+  // The spare slot of a packed span holds no query row: its CTA runs with len_q = 0, so it visits
+  // nothing and stores nothing (an early exit would also make the compiler guard every shuffle).
+  const bool no_rows = tile.empty(kBlockM, false);
+  const int64_t len_q = no_rows ? 0 : span.len_q;
+  const int64_t len_k = span.len_k;
+  const int m0 = no_rows ? 0 : static_cast<int>(tile.block * kBlockM);
+  const int64_t m1 = m0 + kBlockM < len_q ? m0 + kBlockM : len_q;
+  // An unbounded kernel uses the compile-time unbounded band: the same policy, with constants the
+  // compiler can fold.
+  const SeqMask mask = (kBand ? args.band : Band{}).for_seq(len_q, len_k);
+  const int64_t key_lo = mask.key_begin(m0);
+  const int64_t key_hi = mask.key_end(m1);
+  const int first_block = static_cast<int>(key_lo / kBlockN);
+  const int last_block =
+      key_hi > key_lo ? static_cast<int>((key_hi + kBlockN - 1) / kBlockN) : first_block;
+  // TMA coordinates: a dense map has a batch axis (rows past a sequence read as zeros), a packed
+  // map one sequence of all rows, addressed from the span's first row.
+  const int q_row0 = static_cast<int>(varlen ? span.q_start + m0 : m0);
+  const int k_row0 = static_cast<int>(varlen ? span.k_start : 0);
+  const int map_batch = static_cast<int>(varlen ? 0 : span.seq);
+  // Segment ids (dense calls only): this batch row's ids and chunk summaries.
+  const int32_t* q_ranges = nullptr;
+  const int32_t* kv_ranges = nullptr;
+  IdRange q_tile_ids{0, 0};
+  if constexpr (kSegments) {
+    const int64_t q_chunks = (layout.seqlen_q + kSegmentChunk - 1) / kSegmentChunk;
+    const int64_t k_chunks = (layout.seqlen_k + kSegmentChunk - 1) / kSegmentChunk;
+    q_ranges = args.segments.q_ranges + span.batch * q_chunks * 2;
+    kv_ranges = args.segments.kv_ranges + span.batch * k_chunks * 2;
+    // Read here, where every thread still has registers to spare: the producer's are few.
+    q_tile_ids = id_range(q_ranges, m0, m1);
+  }
 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_addr = tc::smem_addr(smem_raw);
@@ -580,16 +790,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const auto bar_v_full = [&](int stage) { return bar_q + 8u * (1 + kStages + stage); };
   const auto bar_k_empty = [&](int stage) { return bar_q + 8u * (1 + 2 * kStages + stage); };
   const auto bar_v_empty = [&](int stage) { return bar_q + 8u * (1 + 3 * kStages + stage); };
-
-  const int tile = static_cast<int>(blockIdx.x) % args.m_blocks;
-  const int bh = static_cast<int>(blockIdx.x) / args.m_blocks;
-  const int head = bh % args.heads_q;
-  const int batch = bh / args.heads_q;
-  // Causal tiles near the bottom visit the most key blocks: launch them first.
-  const int m_block = kCausal ? args.m_blocks - 1 - tile : tile;
-  const int m0 = m_block * kBlockM;
-  const int n_blocks =
-      visible_key_blocks<kBlockM, kBlockN, kCausal>(m0, args.seqlen_q, args.seqlen_k);
+  const uint32_t bar_v_tail = bar_q + 8u * (1 + 4 * kStages);
 
   if (threadIdx.x == 0) {
     mbar_init(bar_q, 1);
@@ -600,6 +801,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       mbar_init(bar_k_empty(s), 4 * Tr::kConsumerWarpgroups);
       mbar_init(bar_v_empty(s), 4 * Tr::kConsumerWarpgroups);
     }
+    mbar_init(bar_v_tail, 1);
     fence_barrier_init();
   }
   __syncthreads();
@@ -608,62 +810,134 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
     setmaxnreg_dec<Tr::kProducerRegs>();
-    // A tile whose rows see no key is all zeros / -inf: nothing to load.
-    if (threadIdx.x == 0 && n_blocks > 0) {
-      prefetch_tensormap(&tm_q);
-      prefetch_tensormap(&tm_k);
-      prefetch_tensormap(&tm_v);
-      const int kv_head = head / args.group;
-      mbar_arrive_expect_tx(bar_q, Tr::kQBytes);
+    // One warp: lane 0 issues the loads; all lanes walk the key blocks (segment ballots) and zero
+    // a straddling V tile.
+    if (threadIdx.x < 32) {
+      const int lane = static_cast<int>(threadIdx.x);
+      const bool leader = lane == 0;
+      SegmentWalk seg{};
+      if constexpr (kSegments) seg = {kv_ranges, q_tile_ids, {}, len_k};
+      KeyWalk walk = key_walk<kSegments>(first_block, last_block);
+      bool unused;
+      int nb = next_key_block<kBlockN, kSegments, false>(walk, seg, unused);
+      // A tile whose rows see no key is all zeros / -inf (or the sink): nothing to load.
+      if (nb >= first_block) {
+        const int kv_head = head / args.group;
+        if (leader) {
+          prefetch_tensormap(&tm_q);
+          prefetch_tensormap(&tm_k);
+          prefetch_tensormap(&tm_v);
+          mbar_arrive_expect_tx(bar_q, Tr::kQBytes);
 #pragma unroll
-      for (int p = 0; p < Tr::kPanels; ++p) {
-        tma_load_4d(q_smem + p * Tr::kQPanelBytes, &tm_q, bar_q, p * Tr::kPanelCols, head, m0,
-                    batch);
-      }
-      // Key blocks are visited last to first so that the masked ones (diagonal, tail) come first.
-      for (int it = 0; it < n_blocks; ++it) {
-        const int stage = it % kStages;
-        const int n0 = (n_blocks - 1 - it) * kBlockN;
-        // Use u = it / kStages of a stage needs the consumers' release of use u - 1.
-        const uint32_t empty_parity = ((it / kStages) + 1) & 1;
-        if (it >= kStages) mbar_wait(bar_k_empty(stage), empty_parity);
-        mbar_arrive_expect_tx(bar_k_full(stage), Tr::kKVStageBytes);
-#pragma unroll
-        for (int p = 0; p < Tr::kPanels; ++p) {
-          tma_load_4d(k_smem + stage * Tr::kKVStageBytes + p * Tr::kKVPanelBytes, &tm_k,
-                      bar_k_full(stage), p * Tr::kPanelCols, kv_head, n0, batch);
+          for (int p = 0; p < Tr::kPanels; ++p) {
+            tma_load_4d(q_smem + p * Tr::kQPanelBytes, &tm_q, bar_q, p * Tr::kPanelCols, head,
+                        q_row0, map_batch);
+          }
         }
-        if (it >= kStages) mbar_wait(bar_v_empty(stage), empty_parity);
-        mbar_arrive_expect_tx(bar_v_full(stage), Tr::kKVStageBytes);
+        // In a packed call the rows of the block that straddles the sequence's end belong to the
+        // next sequence. Its K columns are masked by select, but P = 0 times a NaN in V is still
+        // NaN, so its V tile lands on bar_v_tail instead; once the next K load is under way the
+        // warp zeroes the tail rows and releases the tile on its V-full barrier.
+        int tail_stage = -1;
+        int tail_valid = 0;
+        const auto release_tail = [&]() {
+          mbar_wait(bar_v_tail, 0);
+          zero_tile_rows<Tr>(smem + Tr::kVOffset + tail_stage * Tr::kKVStageBytes, tail_valid,
+                             lane);
+          fence_proxy_async_smem();
+          __syncwarp();
+          if (leader) mbar_arrive(bar_v_full(tail_stage));
+          tail_stage = -1;
+        };
+        // Key blocks are visited last to first so that the masked ones (diagonal, tail) come first.
+        for (int it = 0; nb >= first_block;
+             ++it, nb = next_key_block<kBlockN, kSegments, false>(walk, seg, unused)) {
+          const int stage = it % kStages;
+          const int n0 = nb * kBlockN;
+          // Use u = it / kStages of a stage needs the consumers' release of use u - 1.
+          const uint32_t empty_parity = ((it / kStages) + 1) & 1;
+          if (leader) {
+            if (it >= kStages) mbar_wait(bar_k_empty(stage), empty_parity);
+            mbar_arrive_expect_tx(bar_k_full(stage), Tr::kKVStageBytes);
 #pragma unroll
-        for (int p = 0; p < Tr::kPanels; ++p) {
-          tma_load_4d(v_smem + stage * Tr::kKVStageBytes + p * Tr::kKVPanelBytes, &tm_v,
-                      bar_v_full(stage), p * Tr::kPanelCols, kv_head, n0, batch);
+            for (int p = 0; p < Tr::kPanels; ++p) {
+              tma_load_4d(k_smem + stage * Tr::kKVStageBytes + p * Tr::kKVPanelBytes, &tm_k,
+                          bar_k_full(stage), p * Tr::kPanelCols, kv_head, k_row0 + n0, map_batch);
+            }
+          }
+          if (tail_stage >= 0) release_tail();
+          const bool straddles = varlen && n0 + int64_t{kBlockN} > len_k;
+          const uint32_t v_bar = straddles ? bar_v_tail : bar_v_full(stage);
+          if (leader) {
+            if (it >= kStages) mbar_wait(bar_v_empty(stage), empty_parity);
+            mbar_arrive_expect_tx(v_bar, Tr::kKVStageBytes);
+#pragma unroll
+            for (int p = 0; p < Tr::kPanels; ++p) {
+              tma_load_4d(v_smem + stage * Tr::kKVStageBytes + p * Tr::kKVPanelBytes, &tm_v, v_bar,
+                          p * Tr::kPanelCols, kv_head, k_row0 + n0, map_batch);
+            }
+          }
+          if (straddles) {
+            tail_stage = stage;
+            tail_valid = static_cast<int>(len_k - n0);
+          }
         }
+        if (tail_stage >= 0) release_tail();
       }
     }
   } else {
     // ------------------------------------------------------------------ consumers
     setmaxnreg_inc<Tr::kConsumerRegs>();
-    const int cw = warpgroup - 1;
+    // Per-warpgroup decisions (which rows, which blocks are fully visible) then steer branches
+    // the compiler knows are warp-uniform.
+    const int cw = warp_uniform(warpgroup - 1);
     const int tid = static_cast<int>(threadIdx.x) % 128;
     const int warp = tid / 32;
     const int lane = tid % 32;
     const int t = lane % 4;
-    // Query row of acc rows r = 0 (and r = 1 at +8) of this thread.
-    const int row = m0 + cw * 64 + warp * 16 + lane / 4;
-    // A warpgroup whose 64 rows all lie past seqlen_q (the tail of the last query tile) keeps the
-    // barrier protocol (waits, releases, turns) so the others are not blocked, but issues no
+    const int g = lane / 4;
+    // This warpgroup's rows [r0, r1) of the sequence, and the row of acc rows r = 0 (and r = 1
+    // at +8) of this thread.
+    const int r0 = m0 + cw * 64;
+    const int64_t r1 = r0 + 64 < len_q ? r0 + 64 : len_q;
+    const int row = r0 + warp * 16 + g;
+    // A warpgroup whose 64 rows all lie past the sequence (the tail of its last query tile) keeps
+    // the barrier protocol (waits, releases, turns) so the others are not blocked, but issues no
     // GEMMs and computes nothing.
-    const bool active = m0 + cw * 64 < args.seqlen_q;
+    const bool active = r0 < len_q;
 
     float o[kD / 2];
 #pragma unroll
     for (int i = 0; i < kD / 2; ++i) o[i] = 0.f;
     float m[2] = {-CUDART_INF_F, -CUDART_INF_F};
     float l[2] = {0.f, 0.f};
+    // Sinks: the row starts with the sink's logit in its max and exp(0) = 1 in its sum. l is a
+    // per-thread partial sum, added over the row's four threads at the end: one of them holds it.
+    if (args.sinks != nullptr && active) {
+      const float sink =
+          args.sinks[span.batch * args.sinks_batch_stride + head] * 1.4426950408889634f;
+      m[0] = m[1] = sink;
+      l[0] = l[1] = t == 0 ? 1.f : 0.f;
+    }
 
-    if (n_blocks > 0) {
+    SegmentWalk seg{};
+    const int32_t* kv_ids = nullptr;
+    int q_id[2] = {0, 0};
+    if constexpr (kSegments) {
+      seg = {kv_ranges, q_tile_ids, id_range(q_ranges, r0, r1), len_k};
+      kv_ids = args.segments.kv_ids + span.batch * layout.seqlen_k;
+      if (active) {
+        const int32_t* q_ids = args.segments.q_ids + span.batch * layout.seqlen_q;
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          q_id[r] = q_ids[min(static_cast<int64_t>(row + 8 * r), len_q - 1)];
+      }
+    }
+    KeyWalk walk = key_walk<kSegments>(first_block, last_block);
+    bool mixed;
+    int nb = next_key_block<kBlockN, kSegments, true>(walk, seg, mixed);
+
+    if (nb >= first_block) {
       float s[kBlockN / 2];
 #pragma unroll
       for (int i = 0; i < kBlockN / 2; ++i) s[i] = 0.f;
@@ -672,17 +946,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
       // Ping-pong (FlashAttention-3, section 3.1): the consumer warpgroups take turns, in a ring,
       // to issue their GEMMs, so that one's softmax runs while another's GEMMs occupy the tensor
-      // cores. Turns are numbered 0..n_blocks (QK^T of the first block; QK^T of block it with P V
-      // of block it-1; P V of the last block). Warpgroup 0 takes turn 0 freely and the end of
-      // each turn opens the next warpgroup's; the arrivals exactly match the waits, so no barrier
-      // is left pending when the CTA exits.
+      // cores. Turns are: QK^T of the first block; QK^T of each further block with P V of the one
+      // before; P V of the last block (the final turn). Warpgroup 0 takes the first turn freely
+      // and the end of each turn opens the next warpgroup's; the arrivals exactly match the
+      // waits, so no barrier is left pending when the CTA exits.
       constexpr int kGroups = Tr::kConsumerWarpgroups;
-      const int last_turn = n_blocks;
-      const auto turn_begin = [&](int turn) {
-        if (Tr::kPingPong && (cw > 0 || turn > 0)) named_barrier_sync(kBarSchedBase + cw, 256);
+      const auto turn_begin = [&](bool first_turn) {
+        if (Tr::kPingPong && (cw > 0 || !first_turn)) named_barrier_sync(kBarSchedBase + cw, 256);
       };
-      const auto turn_end = [&](int turn) {
-        if (Tr::kPingPong && (cw < kGroups - 1 || turn < last_turn)) {
+      const auto turn_end = [&](bool final_turn) {
+        if (Tr::kPingPong && (cw < kGroups - 1 || !final_turn)) {
           named_barrier_arrive(kBarSchedBase + (cw + 1) % kGroups, 256);
         }
       };
@@ -701,142 +974,182 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       if (!active) {
         // Same waits, releases and turns as below, without the math.
         mbar_wait(bar_k_full(0), 0);
-        turn_begin(0);
-        turn_end(0);
+        turn_begin(true);
+        turn_end(false);
         release(bar_k_empty(0));
-        for (int it = 1; it < n_blocks; ++it) {
+        int it = 1;
+        for (nb = next_key_block<kBlockN, kSegments, true>(walk, seg, mixed); nb >= first_block;
+             nb = next_key_block<kBlockN, kSegments, true>(walk, seg, mixed), ++it) {
           mbar_wait(bar_k_full(it % kStages), (it / kStages) & 1);
-          turn_begin(it);
+          turn_begin(false);
           mbar_wait(bar_v_full((it - 1) % kStages), ((it - 1) / kStages) & 1);
-          turn_end(it);
+          turn_end(false);
           release(bar_k_empty(it % kStages));
           release(bar_v_empty((it - 1) % kStages));
         }
-        mbar_wait(bar_v_full((n_blocks - 1) % kStages), ((n_blocks - 1) / kStages) & 1);
-        turn_begin(last_turn);
-        turn_end(last_turn);
-        release(bar_v_empty((n_blocks - 1) % kStages));
-        return;
-      }
+        mbar_wait(bar_v_full((it - 1) % kStages), ((it - 1) / kStages) & 1);
+        turn_begin(false);
+        turn_end(true);
+        release(bar_v_empty((it - 1) % kStages));
+      } else {
+        // Scores of one block: soft-capping, element masks where the block is not entirely visible
+        // to this warpgroup's rows (or its segment ids are mixed), then the online softmax.
+        const float scale = Tr::kSoftcap ? args.softcap_log2 : args.scale_log2;
+        const auto softmax_block = [&](int n0, bool seg_mixed) {
+          if constexpr (Tr::kSoftcap) apply_softcap(s, args.softcap_scale);
+          if (seg_mixed || !mask.tile_full(r0, r1, n0, n0 + int64_t{kBlockN})) {
+            const TileMask tm = mask.tile(row, n0 + 2 * t);
+            const int kv_last = static_cast<int>(len_k - 1);
+            // Lower bounds rise with the row: the warpgroup's last row has the highest.
+            if (kBand && mask.tile(r0, n0).lo(static_cast<int>(r1 - 1 - r0)) > 0) {
+              apply_mask<kBlockN, kBand, true, kSegments>(s, tm, seg_mixed, kv_ids, n0 + 2 * t,
+                                                          kv_last, q_id);
+            } else {
+              apply_mask<kBlockN, kBand, false, kSegments>(s, tm, seg_mixed, kv_ids, n0 + 2 * t,
+                                                           kv_last, q_id);
+            }
+            online_softmax<kBlockN>(s, m, l, alpha, scale);
+          } else {
+            online_softmax<kBlockN>(s, m, l, alpha, scale);
+          }
+        };
 
-      mbar_wait(bar_q, 0);
+        mbar_wait(bar_q, 0);
 
-      // Block n_blocks - 1 first: its S is computed and softmaxed before the loop, so that inside
-      // the loop the P V of block it-1 runs under the softmax of block it (FlashAttention-3,
-      // Algorithm 2).
-      {
-        mbar_wait(bar_k_full(0), 0);
-        turn_begin(0);
-        wgmma_fence();
-        issue_qk<Tr>(s, q_desc, k_desc(0));
-        wgmma_commit();
-        turn_end(0);
-        wgmma_wait<0>();
-        fence_operand(s);
-        release(bar_k_empty(0));
-        const int n0 = (n_blocks - 1) * kBlockN;
-        online_softmax<kBlockN, kCausal, true>(s, m, l, alpha, n0, row, t, args);
-        convert_p<kBlockN, T>(s, p);
-      }
-
-      for (int it = 1; it < n_blocks; ++it) {
-        const int stage = it % kStages;
-        const int prev = (it - 1) % kStages;
-        const int n0 = (n_blocks - 1 - it) * kBlockN;
-        mbar_wait(bar_k_full(stage), (it / kStages) & 1);
-        turn_begin(it);
-        wgmma_fence();
-        issue_qk<Tr>(s, q_desc, k_desc(stage));
-        wgmma_commit();
-        // O's rescale for block it-1 is done here, hidden under the QK^T just issued.
-        rescale_o<kD>(o, alpha);
-        mbar_wait(bar_v_full(prev), ((it - 1) / kStages) & 1);
-        wgmma_fence();
-        issue_pv<Tr>(o, p, v_desc(prev));
-        wgmma_commit();
-        turn_end(it);
-
-        wgmma_wait<1>();  // S of block it is complete; P V of block it-1 may still run
-        fence_operand(s);
-        release(bar_k_empty(stage));
-        if (block_needs_mask<kBlockN, kCausal>(n0, m0, args.seqlen_q, args.seqlen_k)) {
-          online_softmax<kBlockN, kCausal, true>(s, m, l, alpha, n0, row, t, args);
-        } else {
-          online_softmax<kBlockN, kCausal, false>(s, m, l, alpha, n0, row, t, args);
+        // The first block's S is computed and softmaxed before the loop, so that inside the loop
+        // the P V of block it-1 runs under the softmax of block it (FlashAttention-3, Algorithm 2).
+        bool next_mixed;
+        int next;
+        {
+          mbar_wait(bar_k_full(0), 0);
+          turn_begin(true);
+          wgmma_fence();
+          issue_qk<Tr>(s, q_desc, k_desc(0));
+          wgmma_commit();
+          turn_end(false);
+          // The walk's chunk-range loads (segment ids) run under the GEMM.
+          next = next_key_block<kBlockN, kSegments, true>(walk, seg, next_mixed);
+          wgmma_wait<0>();
+          fence_operand(s);
+          release(bar_k_empty(0));
+          softmax_block(nb * kBlockN, mixed);
+          convert_p<kBlockN, T>(s, p);
         }
-        wgmma_wait<0>();
-        fence_operand(o);
-        fence_operand(p);
-        release(bar_v_empty(prev));
-        convert_p<kBlockN, T>(s, p);
-      }
 
-      {
-        const int last = (n_blocks - 1) % kStages;
-        rescale_o<kD>(o, alpha);
-        mbar_wait(bar_v_full(last), ((n_blocks - 1) / kStages) & 1);
-        turn_begin(last_turn);
-        wgmma_fence();
-        issue_pv<Tr>(o, p, v_desc(last));
-        wgmma_commit();
-        turn_end(last_turn);
-        wgmma_wait<0>();
-        fence_operand(o);
-        fence_operand(p);
-        release(bar_v_empty(last));
+        int it = 1;
+#pragma unroll 1
+        for (; next >= first_block; ++it) {
+          nb = next;
+          mixed = next_mixed;
+          const int stage = it % kStages;
+          const int prev = (it - 1) % kStages;
+          mbar_wait(bar_k_full(stage), (it / kStages) & 1);
+          turn_begin(false);
+          wgmma_fence();
+          issue_qk<Tr>(s, q_desc, k_desc(stage));
+          wgmma_commit();
+          // O's rescale for block it-1 is done here, hidden under the QK^T just issued.
+          rescale_o<kD>(o, alpha);
+          mbar_wait(bar_v_full(prev), ((it - 1) / kStages) & 1);
+          wgmma_fence();
+          issue_pv<Tr>(o, p, v_desc(prev));
+          wgmma_commit();
+          turn_end(false);
+          next = next_key_block<kBlockN, kSegments, true>(walk, seg, next_mixed);
+
+          wgmma_wait<1>();  // S of block it is complete; P V of block it-1 may still run
+          fence_operand(s);
+          release(bar_k_empty(stage));
+          softmax_block(nb * kBlockN, mixed);
+          wgmma_wait<0>();
+          fence_operand(o);
+          fence_operand(p);
+          release(bar_v_empty(prev));
+          convert_p<kBlockN, T>(s, p);
+        }
+
+        {
+          const int last = (it - 1) % kStages;
+          rescale_o<kD>(o, alpha);
+          mbar_wait(bar_v_full(last), ((it - 1) / kStages) & 1);
+          turn_begin(false);
+          wgmma_fence();
+          issue_pv<Tr>(o, p, v_desc(last));
+          wgmma_commit();
+          turn_end(true);
+          wgmma_wait<0>();
+          fence_operand(o);
+          fence_operand(p);
+          release(bar_v_empty(last));
+        }
       }
     }
 
-    if (!active) return;
-
-    // Epilogue: O = acc / l, lse = ln(2) * (m + log2(l)); a row that saw no key gets O = 0 and
-    // lse = -inf.
-    float inv_l[2];
-    float lse[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float sum = l[r];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      inv_l[r] = sum > 0.f ? 1.f / sum : 0.f;
-      lse[r] = sum > 0.f ? (m[r] + log2f(sum)) * 0.69314718055994531f : -CUDART_INF_F;
-    }
-
-    const int g = lane / 4;
-    // O goes through this warpgroup's own 64 rows of the Q tile (no longer read by any wgmma)
-    // in the same swizzled panel layout, then out with one TMA store per panel, which clips
-    // rows past seqlen_q. Row index inside the warpgroup is 16 * warp + g (+8); both have
-    // (row % 8) == g, so chunk c of either row sits at c ^ g.
-    uint8_t* const o_stage = smem + Tr::kQOffset + cw * 64 * Tr::kRowBytes;
-#pragma unroll
-    for (int i = 0; i < kD / 8; ++i) {
-      const int panel = i / 8;
-      const int chunk = (i % 8) ^ g;
+    if (active) {
+      // Epilogue: O = acc / l, lse = ln(2) * (m + log2(l)); a row that saw no key gets O = 0 and
+      // lse = -inf (the sink with sinks: m = sink, l = 1).
+      float inv_l[2];
+      float lse[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int row_in_wg = warp * 16 + g + 8 * r;
-        const uint32_t packed =
-            tc::pack2<T>(o[4 * i + 2 * r] * inv_l[r], o[4 * i + 2 * r + 1] * inv_l[r]);
-        *reinterpret_cast<uint32_t*>(o_stage + panel * Tr::kQPanelBytes +
-                                     row_in_wg * Tr::kRowBytes + chunk * 16 + t * 4) = packed;
+        float sum = l[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        inv_l[r] = sum > 0.f ? 1.f / sum : 0.f;
+        lse[r] = sum > 0.f ? (m[r] + log2f(sum)) * 0.69314718055994531f : -CUDART_INF_F;
       }
-    }
-    fence_proxy_async_smem();
-    named_barrier_sync(kBarEpilogueBase + cw, 128);
-    if (tid == 0) {
+
+      // O goes through this warpgroup's own 64 rows of the Q tile (no longer read by any wgmma)
+      // in the same swizzled panel layout. Row index inside the warpgroup is 16 * warp + g (+8);
+      // both have (row % 8) == g, so chunk c of either row sits at c ^ g.
+      uint8_t* const o_stage = smem + Tr::kQOffset + cw * 64 * Tr::kRowBytes;
 #pragma unroll
-      for (int pnl = 0; pnl < Tr::kPanels; ++pnl) {
-        tma_store_4d(&tm_o, q_smem + pnl * Tr::kQPanelBytes + cw * 64 * Tr::kRowBytes,
-                     pnl * Tr::kPanelCols, head, m0 + cw * 64, batch);
+      for (int i = 0; i < kD / 8; ++i) {
+        const int panel = i / 8;
+        const int chunk = (i % 8) ^ g;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row_in_wg = warp * 16 + g + 8 * r;
+          const uint32_t packed =
+              tc::pack2<T>(o[4 * i + 2 * r] * inv_l[r], o[4 * i + 2 * r + 1] * inv_l[r]);
+          *reinterpret_cast<uint32_t*>(o_stage + panel * Tr::kQPanelBytes +
+                                       row_in_wg * Tr::kRowBytes + chunk * 16 + t * 4) = packed;
+        }
       }
-      tma_store_commit_and_wait_read();
-    }
-    if (t == 0) {
-      float* lse_row = args.lse + (static_cast<int64_t>(batch) * args.heads_q + head) *
-                                      static_cast<int64_t>(args.seqlen_q);
+      fence_proxy_async_smem();
+      named_barrier_sync(kBarEpilogueBase + cw, 128);
+      if (!varlen || r0 + 64 <= len_q) {
+        // One TMA store per panel; a dense map clips rows past the sequence.
+        if (tid == 0) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        if (row + 8 * r < args.seqlen_q) lse_row[row + 8 * r] = lse[r];
+          for (int pnl = 0; pnl < Tr::kPanels; ++pnl) {
+            tma_store_4d(&tm_o, q_smem + pnl * Tr::kQPanelBytes + cw * 64 * Tr::kRowBytes,
+                         pnl * Tr::kPanelCols, head, q_row0 + cw * 64, map_batch);
+          }
+          tma_store_commit_and_wait_read();
+        }
+      } else {
+        // Packed, and the rows run past the sequence into the next one's: 16-byte stores of the
+        // rows inside it only.
+        constexpr int kChunks = kD / 8;
+        const int64_t row_stride = static_cast<int64_t>(args.heads_q) * kD;
+        T* const o_rows = static_cast<T*>(args.o) + (span.q_start + r0) * row_stride + head * kD;
+        const int rows = static_cast<int>(r1 - r0);
+        for (int idx = tid; idx < rows * kChunks; idx += 128) {
+          const int rr = idx / kChunks;
+          const int c = idx % kChunks;
+          const uint4 v =
+              *reinterpret_cast<const uint4*>(o_stage + (c / 8) * Tr::kQPanelBytes +
+                                              rr * Tr::kRowBytes + (((c % 8) ^ (rr % 8)) * 16));
+          *reinterpret_cast<uint4*>(o_rows + rr * row_stride + c * 8) = v;
+        }
+      }
+      if (t == 0) {
+        float* const lse_row = args.lse + span.stat_start + head * span.stat_head;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          if (row + 8 * r < len_q) lse_row[row + 8 * r] = lse[r];
+        }
       }
     }
   }
