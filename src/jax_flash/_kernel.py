@@ -1,0 +1,235 @@
+"""The attention op as the kernels see it: static options, the per-platform FFI calls and the
+custom VJP. The public entry points (attention.py) validate arguments and call `flash`."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flash import _ffi
+
+# Head dims the CUDA tensor-core kernels are compiled for (cpp/cuda/kernels.h). Other head dims
+# are zero-padded up to the next one: zero columns change neither Q K^T nor the kept columns of O.
+CUDA_TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
+
+# Segment ids reach the kernels with a (min, max) summary per this many positions
+# (kSegmentChunk in cpp/common/mask.h).
+SEGMENT_CHUNK = 16
+
+_HALF_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+def stats_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    """dtype of lse, delta and sinks: float64 for float64 inputs, float32 otherwise."""
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+
+
+def _lse_shape(q: jax.Array) -> tuple[int, ...]:
+    # [..., Sq, Hq, D] -> [..., Hq, Sq]; leading axes include any that vmap added. A packed
+    # q [Tq, Hq, D] gives [Hq, Tq].
+    return (*q.shape[:-3], q.shape[-2], q.shape[-3])
+
+
+def _cuda_head_dim(dtype: jnp.dtype, head_dim: int) -> int:
+    if jnp.dtype(dtype) not in _HALF_DTYPES:
+        return head_dim
+    return next(d for d in CUDA_TENSOR_CORE_HEAD_DIMS if d >= head_dim)
+
+
+def _pad_head_dim(x: jax.Array, head_dim: int) -> jax.Array:
+    extra = head_dim - x.shape[-1]
+    if extra == 0:
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """The static options of one call, as the FFI handlers take them (cpp/ffi/shapes.h)."""
+
+    softmax_scale: float
+    window_left: int = -1  # -1: unbounded
+    window_right: int = -1  # -1: unbounded; causal arrives as 0
+    softcap: float = 0.0  # 0: none
+    varlen: bool = False
+    max_seqlen_q: int = -1  # -1: not given
+    max_seqlen_k: int = -1
+
+    def attrs(self, aux: Aux) -> dict:
+        # Attribute types must match the C++ side exactly: Python float -> double, int -> int64,
+        # numpy bool -> bool.
+        return {
+            "softmax_scale": float(self.softmax_scale),
+            "window_left": int(self.window_left),
+            "window_right": int(self.window_right),
+            "softcap": float(self.softcap),
+            "has_segments": np.bool_(aux.q_segment_ids is not None),
+            "has_sinks": np.bool_(aux.sinks is not None),
+            "varlen": np.bool_(self.varlen),
+            "max_seqlen_q": int(self.max_seqlen_q),
+            "max_seqlen_k": int(self.max_seqlen_k),
+        }
+
+
+class Aux(NamedTuple):
+    """The optional inputs of a call; None where unused. sinks is the only differentiable one:
+    [..., Hq] (the batch axes of q, or [1, Hq] for a packed call) in the stats dtype."""
+
+    q_segment_ids: jax.Array | None = None  # int32 [..., Sq]
+    kv_segment_ids: jax.Array | None = None  # int32 [..., Sk]
+    sinks: jax.Array | None = None
+    cu_seqlens_q: jax.Array | None = None  # int32 [N + 1]
+    cu_seqlens_k: jax.Array | None = None
+
+
+def _segment_ranges(ids: jax.Array) -> jax.Array:
+    """[..., S] int32 -> [..., ceil(S / SEGMENT_CHUNK), 2]: (min, max) per chunk of positions.
+    The last chunk is padded with its last id, which widens no range."""
+    pad = -ids.shape[-1] % SEGMENT_CHUNK
+    if pad:
+        ids = jnp.concatenate([ids, jnp.repeat(ids[..., -1:], pad, axis=-1)], axis=-1)
+    chunks = ids.reshape(*ids.shape[:-1], -1, SEGMENT_CHUNK)
+    return jnp.stack([chunks.min(axis=-1), chunks.max(axis=-1)], axis=-1)
+
+
+def _extras(aux: Aux, dtype) -> tuple[jax.Array, ...]:
+    """The seven optional FFI inputs in the order of ffi/shapes.h Extra, with one-element
+    placeholders for the unused ones."""
+
+    def given(x, placeholder_dtype):
+        return jnp.zeros((1,), placeholder_dtype) if x is None else x
+
+    i32 = jnp.int32
+    if aux.q_segment_ids is None:
+        segments = (jnp.zeros((1,), i32),) * 4
+    else:
+        segments = (
+            aux.q_segment_ids,
+            aux.kv_segment_ids,
+            _segment_ranges(aux.q_segment_ids),
+            _segment_ranges(aux.kv_segment_ids),
+        )
+    return (
+        *segments,
+        given(aux.sinks, stats_dtype(dtype)),
+        given(aux.cu_seqlens_q, i32),
+        given(aux.cu_seqlens_k, i32),
+    )
+
+
+def _vmap_method(spec: Spec) -> str:
+    # Dense handlers fold every leading axis into the batch, so vmap over any axis is one launch.
+    # A packed call has no batch axis to fold into: a vmapped one runs per element.
+    return "sequential" if spec.varlen else "broadcast_all"
+
+
+def _fwd_call(target, q, k, v, aux, spec):
+    out_types = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct(_lse_shape(q), stats_dtype(q.dtype)),
+    )
+    call = jax.ffi.ffi_call(target, out_types, vmap_method=_vmap_method(spec))
+    return call(q, k, v, *_extras(aux, q.dtype), **spec.attrs(aux))
+
+
+def _fwd_cpu(q, k, v, aux, *, spec):
+    return _fwd_call(_ffi.FWD_CPU, q, k, v, aux, spec)
+
+
+def _fwd_cuda(q, k, v, aux, *, spec):
+    head_dim = q.shape[-1]
+    padded = _cuda_head_dim(q.dtype, head_dim)
+    q, k, v = (_pad_head_dim(x, padded) for x in (q, k, v))
+    out, lse = _fwd_call(_ffi.FWD_CUDA, q, k, v, aux, spec)
+    return out[..., :head_dim], lse
+
+
+def _bwd_cpu(q, k, v, dout, lse, delta, aux, *, spec):
+    out_types = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct(v.shape, v.dtype),
+    )
+    call = jax.ffi.ffi_call(_ffi.BWD_CPU, out_types, vmap_method=_vmap_method(spec))
+    return call(q, k, v, dout, lse, delta, *_extras(aux, q.dtype), **spec.attrs(aux))
+
+
+def _bwd_cuda(q, k, v, dout, lse, delta, aux, *, spec):
+    head_dim = q.shape[-1]
+    padded = _cuda_head_dim(q.dtype, head_dim)
+    q, k, v, dout = (_pad_head_dim(x, padded) for x in (q, k, v, dout))
+    # The tensor-core backward accumulates dQ in fp32 with atomics; XLA owns that scratch so the
+    # handler never allocates. The scalar path needs none and gets a placeholder.
+    scratch_shape = q.shape if jnp.dtype(q.dtype) in _HALF_DTYPES else (1,)
+    out_types = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct(v.shape, v.dtype),
+        jax.ShapeDtypeStruct(scratch_shape, jnp.float32),
+    )
+    call = jax.ffi.ffi_call(_ffi.BWD_CUDA, out_types, vmap_method=_vmap_method(spec))
+    dq, dk, dv, _ = call(q, k, v, dout, lse, delta, *_extras(aux, q.dtype), **spec.attrs(aux))
+    return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim]
+
+
+def _forward(q, k, v, aux, spec):
+    return jax.lax.platform_dependent(
+        q,
+        k,
+        v,
+        aux,
+        cpu=functools.partial(_fwd_cpu, spec=spec),
+        cuda=functools.partial(_fwd_cuda, spec=spec),
+    )
+
+
+def _backward(q, k, v, dout, lse, delta, aux, spec):
+    return jax.lax.platform_dependent(
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        aux,
+        cpu=functools.partial(_bwd_cpu, spec=spec),
+        cuda=functools.partial(_bwd_cuda, spec=spec),
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def flash(q: jax.Array, k: jax.Array, v: jax.Array, aux: Aux, spec: Spec):
+    """(out, lse) of attention; differentiable in q, k, v, aux.sinks and through lse."""
+    return _forward(q, k, v, aux, spec)
+
+
+def _flash_fwd(q, k, v, aux, spec):
+    out, lse = _forward(q, k, v, aux, spec)
+    return (out, lse), (q, k, v, aux, out, lse)
+
+
+def _flash_bwd(spec, residuals, cotangents):
+    q, k, v, aux, out, lse = residuals
+    dout, dlse = cotangents
+    acc = stats_dtype(q.dtype)
+    # delta_i = sum_d dO_id O_id is the softmax backward's row term; a cotangent on lse_i adds
+    # dlse_i * P_ij to dS_ij, which is the same as subtracting dlse_i from delta_i.
+    delta = jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1)
+    delta = jnp.swapaxes(delta, -1, -2) - dlse.astype(acc)
+    dq, dk, dv = _backward(q, k, v, dout.astype(q.dtype), lse, delta, aux, spec)
+    dsinks = None
+    if aux.sinks is not None:
+        # The sink enters row i's softmax with probability P_sink_i = exp(sink - lse_i) and no
+        # value, so d(sink) = sum_i P_sink_i * (dlse_i - dO_i . O_i) = -sum_i P_sink_i delta_i.
+        p_sink = jnp.exp(aux.sinks.astype(acc)[..., None] - lse)
+        dsinks = -jnp.sum(p_sink * delta, axis=-1).astype(aux.sinks.dtype)
+    d_aux = Aux(sinks=dsinks)
+    return dq, dk, dv, d_aux
+
+
+flash.defvjp(_flash_fwd, _flash_bwd)
