@@ -31,7 +31,7 @@ jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import jax_flash  # noqa: E402
-from jax_flash.reference import attention_reference  # noqa: E402
+from jax_flash.reference import attention_reference, attention_varlen_reference  # noqa: E402
 
 BACKEND = jax.default_backend()
 ON_GPU = BACKEND == "gpu"
@@ -157,6 +157,12 @@ def reference_vjp(q, k, v, dout, dlse=None, *, causal, softmax_scale=None):
 # Errors and tolerances.
 
 
+def _norm(x) -> float:
+    # Not np.linalg.norm: it goes through BLAS, whose threads cost far more CPU time than this
+    # sum on a busy machine (40x on a loaded 2-core runner).
+    return math.sqrt(float(np.sum(np.square(x))))
+
+
 def rel_l2(x, ref, floor: float = 0.0) -> float:
     """||x - ref|| / max(||ref||, floor * sqrt(size)) in float64; NaN if x has a NaN.
 
@@ -165,8 +171,8 @@ def rel_l2(x, ref, floor: float = 0.0) -> float:
     x = np.asarray(x).astype(np.float64)
     ref = np.asarray(ref).astype(np.float64)
     assert x.shape == ref.shape, (x.shape, ref.shape)
-    num = float(np.linalg.norm((x - ref).ravel()))
-    den = max(float(np.linalg.norm(ref.ravel())), floor * math.sqrt(ref.size))
+    num = _norm(x - ref)
+    den = max(_norm(ref), floor * math.sqrt(ref.size))
     if den == 0.0:
         return 0.0 if num == 0.0 else float("inf")
     return num / den
@@ -328,3 +334,273 @@ def poison_allocator(like) -> None:
 def custom_call_targets(hlo_text: str) -> list[str]:
     """Names of the jax_flash FFI targets called in a StableHLO or compiled HLO module's text."""
     return re.findall(r'(?:custom_call @|custom_call_target=")(jax_flash_\w+)', hlo_text)
+
+
+# ----------------------------------------------------------------------------------------------
+# Windows, softcap, segment ids, sinks and packed (varlen) batches: one jitted VJP per
+# implementation, the contract's visibility rule written out in numpy, and one whole check.
+# A packed call is selected by cu_seqlens = (cu_seqlens_q, cu_seqlens_k).
+
+
+def _feature_vjp(fn_dense, fn_varlen, q, k, v, dout, dlse, segment_ids, sinks, cu_seqlens, static):
+    kwargs = dict(static)
+    grads = kwargs.pop("grads", True)
+    if cu_seqlens is None:
+        fn, cu = fn_dense, ()
+        kwargs["segment_ids"] = segment_ids
+    else:
+        fn, cu = fn_varlen, tuple(cu_seqlens)
+
+    def f(q, k, v, sinks):
+        return fn(q, k, v, *cu, sinks=sinks, return_lse=True, **kwargs)
+
+    if not grads:
+        return (*f(q, k, v, sinks), None)
+    (out, lse), pullback = jax.vjp(f, q, k, v, sinks)
+    return out, lse, pullback((dout, dlse))
+
+
+@functools.partial(jax.jit, static_argnames=("static",))
+def _flash_feature_vjp(q, k, v, dout, dlse, segment_ids, sinks, cu_seqlens, static):
+    return _feature_vjp(
+        jax_flash.attention, jax_flash.attention_varlen,
+        q, k, v, dout, dlse, segment_ids, sinks, cu_seqlens, static,
+    )  # fmt: skip
+
+
+# The reference compiles once per shape, dtype and softcap-or-not (XLA's compile time is most of
+# the CPU run time of these tests): every other option reaches it as data. Causal is the right
+# bound 0, an unbounded side 2^30, no segment ids one id everywhere, no sinks sinks of -inf
+# (exp(-inf) adds nothing to a denominator), softmax_scale and softcap traced scalars.
+UNBOUNDED = 1 << 30
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("grads",),
+    compiler_options={"xla_backend_optimization_level": 0} if BACKEND == "cpu" else None,
+)
+def _reference_feature_vjp(
+    q, k, v, dout, dlse, segment_ids, sinks, cu_seqlens, bounds, softmax_scale, softcap, grads
+):
+    static = {
+        "grads": grads,
+        "window": (bounds[0], bounds[1]),
+        "softmax_scale": softmax_scale,
+        "softcap": softcap,
+    }
+    return _feature_vjp(
+        attention_reference, attention_varlen_reference,
+        q, k, v, dout, dlse, segment_ids, sinks, cu_seqlens, static.items(),
+    )  # fmt: skip
+
+
+def flash_feature_vjp(
+    q, k, v, dout=None, dlse=None, *, segment_ids=None, sinks=None, cu_seqlens=None, **static
+):
+    """(out, lse, (dq, dk, dv, dsinks)) of jax_flash.attention, or of attention_varlen when
+    cu_seqlens = (cu_seqlens_q, cu_seqlens_k) is given, for the cotangents dout and dlse; jitted,
+    one compile per shape and set of static options (causal, softmax_scale, window, softcap,
+    max_seqlen_q, max_seqlen_k; grads=False for the forward alone, gradients None)."""
+    static = tuple(sorted(static.items()))
+    return _flash_feature_vjp(q, k, v, dout, dlse, segment_ids, sinks, cu_seqlens, static=static)
+
+
+def reference_feature_vjp(
+    q,
+    k,
+    v,
+    dout=None,
+    dlse=None,
+    *,
+    segment_ids=None,
+    sinks=None,
+    cu_seqlens=None,
+    causal=False,
+    softmax_scale=None,
+    window=None,
+    softcap=None,
+    grads=True,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+):
+    """The same for attention_reference / attention_varlen_reference (max_seqlen_* are only
+    kernel hints and are ignored)."""
+    del max_seqlen_q, max_seqlen_k
+    left, right = (None, None) if window is None else window
+    left = UNBOUNDED if left is None else left
+    right = 0 if causal else (UNBOUNDED if right is None else right)
+    bounds = jnp.asarray([left, right], jnp.int32)
+    scale = jnp.asarray(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
+    cap = None if softcap is None else jnp.asarray(softcap, jnp.float64)
+    has_sinks = sinks is not None
+    if not has_sinks:
+        sinks = jnp.full((q.shape[-2],), -jnp.inf, stats_dtype(q.dtype))
+    if cu_seqlens is None:
+        if segment_ids is None:
+            segment_ids = jnp.zeros(q.shape[:2], jnp.int32), jnp.zeros(k.shape[:2], jnp.int32)
+        elif not isinstance(segment_ids, (tuple, list)):
+            segment_ids = (segment_ids, segment_ids)
+        segment_ids = tuple(jnp.asarray(x, jnp.int32) for x in segment_ids)
+    out, lse, grads_ = _reference_feature_vjp(
+        q, k, v, dout, dlse, segment_ids, sinks, cu_seqlens, bounds, scale, cap, grads
+    )
+    if grads_ is not None and not has_sinks:
+        grads_ = (*grads_[:3], None)
+    return out, lse, grads_
+
+
+def _band_np(rows, cols, off, causal, window):
+    left, right = (None, None) if window is None else window
+    if causal:
+        right = 0
+    visible = np.ones(np.broadcast_shapes(rows.shape, cols.shape), bool)
+    if left is not None:
+        visible &= cols >= rows + off - left
+    if right is not None:
+        visible &= cols <= rows + off + right
+    return visible
+
+
+def visibility(q, k, *, causal=False, window=None, segment_ids=None, cu_seqlens=None):
+    """Which query sees which key, from the contract alone: [batch, Sq, Sk] for a dense call,
+    [total_q, total_k] for a packed one (rows and keys past the last sequence see nothing)."""
+    if cu_seqlens is None:
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+        rows, cols = np.arange(seqlen_q)[:, None], np.arange(seqlen_k)[None, :]
+        band = _band_np(rows, cols, seqlen_k - seqlen_q, causal, window)
+        visible = np.broadcast_to(band, (q.shape[0], seqlen_q, seqlen_k))
+        if segment_ids is not None:
+            q_ids, kv_ids = (
+                segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids,) * 2
+            )
+            q_ids, kv_ids = np.asarray(q_ids), np.asarray(kv_ids)
+            visible = visible & (q_ids[:, :, None] == kv_ids[:, None, :])
+        return visible
+    cu_q, cu_k = (np.asarray(c) for c in cu_seqlens)
+    visible = np.zeros((q.shape[0], k.shape[0]), bool)
+    for n in range(len(cu_q) - 1):
+        len_q, len_k = cu_q[n + 1] - cu_q[n], cu_k[n + 1] - cu_k[n]
+        rows, cols = np.arange(len_q)[:, None], np.arange(len_k)[None, :]
+        band = _band_np(rows, cols, len_k - len_q, causal, window)
+        visible[cu_q[n] : cu_q[n + 1], cu_k[n] : cu_k[n + 1]] = band
+    return visible
+
+
+def make_sinks(rng, heads_q, dtype, shift: float = 2.0) -> jax.Array:
+    """Random sinks [heads_q] of a size that matters next to the rows' lse, in the stats dtype."""
+    return jnp.asarray(rng.standard_normal(heads_q) * 1.5 + shift, stats_dtype(dtype))
+
+
+def check_features(
+    rng,
+    q,
+    k,
+    v,
+    *,
+    segment_ids=None,
+    sinks=None,
+    cu_seqlens=None,
+    grads=True,
+    same_precision_rule=False,
+    **static,
+):
+    """One call of the kernel (forward and VJP with random cotangents on O and lse) against the
+    float64 reference, with the tolerance rules above, plus the contract's exact values:
+    rows that see no key give O = 0 and dQ = 0 (lse -inf, or the row's sink with sinks; -inf for
+    packed tokens past the last sequence), keys that no row sees get dK = dV = 0, and every output
+    is written (the allocator is poisoned first). static: causal, softmax_scale, window, softcap,
+    max_seqlen_q, max_seqlen_k. Returns (out, lse, (dq, dk, dv, dsinks)) of the kernel and the
+    visibility [.., Sq, Sk]."""
+    dtype = q.dtype
+    packed = cu_seqlens is not None
+    stat_shape = (q.shape[1], q.shape[0]) if packed else lse_shape(q)
+    dout = normal(rng, q.shape, dtype)
+    dlse = normal(rng, stat_shape, stats_dtype(dtype))
+    extra = {"segment_ids": segment_ids, "cu_seqlens": cu_seqlens, "grads": grads, **static}
+    for x in (q, k, v):
+        poison_allocator(x)
+    out, lse, kernel_grads = flash_feature_vjp(q, k, v, dout, dlse, sinks=sinks, **extra)
+    assert out.shape == q.shape and out.dtype == q.dtype, (out.shape, out.dtype)
+    assert lse.shape == stat_shape and lse.dtype == stats_dtype(dtype), (lse.shape, lse.dtype)
+    ref_sinks = None if sinks is None else f64(sinks)
+    ref_out, ref_lse, ref_grads = reference_feature_vjp(
+        *f64(q, k, v, dout, dlse), sinks=ref_sinks, **extra
+    )
+    lowp_out = lowp_lse = None
+    lowp_grads = (None,) * 4
+    if _wants_lowp(dtype, same_precision_rule):
+        lowp_out, lowp_lse, lowp_grads = reference_feature_vjp(
+            q, k, v, dout, dlse.astype(dtype), sinks=sinks, **extra
+        )
+    assert_close("out", out, ref_out, dtype=dtype, kind="fwd", lowp=lowp_out)
+    assert_lse_close(lse, ref_lse, dtype=dtype, lowp=lowp_lse)
+
+    visible = visibility(
+        q,
+        k,
+        causal=static.get("causal", False),
+        window=static.get("window"),
+        segment_ids=segment_ids,
+        cu_seqlens=cu_seqlens,
+    )
+    no_keys = ~visible.any(axis=-1)  # [B, Sq] or [Tq]
+    unseen = ~visible.any(axis=-2)  # [B, Sk] or [Tk]
+    out_np = np.asarray(out).astype(np.float64)
+    assert (out_np[no_keys] == 0).all(), "rows that see no key must give O = 0"
+    # [..., Hq, Sq] -> [..., Sq, Hq], to index rows like O.
+    rows_lse = np.moveaxis(np.asarray(lse).astype(np.float64), -1, -2)[no_keys]
+    ref_rows_lse = np.moveaxis(np.asarray(ref_lse), -1, -2)[no_keys]
+    if sinks is None:
+        assert np.isneginf(ref_rows_lse).all(), "the reference disagrees with the visibility rule"
+        assert np.isneginf(ref_lse).sum() == no_keys.sum() * q.shape[-2]
+    np.testing.assert_allclose(rows_lse, ref_rows_lse, rtol=1e-6, err_msg="lse of keyless rows")
+    if not grads:
+        return (out, lse, None), visible
+
+    names = ("dq", "dk", "dv", "dsinks")
+    for name, g, x, ref_g, lowp_g in zip(
+        names, kernel_grads, (q, k, v, sinks), ref_grads, lowp_grads, strict=True
+    ):
+        if x is None:
+            assert g is None, name
+            continue
+        assert g.shape == x.shape and g.dtype == x.dtype, (name, g.shape, g.dtype)
+        assert_close(name, g, ref_g, dtype=dtype, kind="grad", lowp=lowp_g)
+    dq, dk, dv = (np.asarray(g).astype(np.float64) for g in kernel_grads[:3])
+    assert (dq[no_keys] == 0).all(), "rows that see no key must get dQ = 0"
+    assert (dk[unseen] == 0).all() and (dv[unseen] == 0).all(), "unseen keys must get dK = dV = 0"
+    return (out, lse, kernel_grads), visible
+
+
+def segments_from_lengths(*lengths_per_batch, first_id: int = 0) -> jax.Array:
+    """int32 [batch, sum(lengths)] ids of documents of the given lengths, packed back to back:
+    segments_from_lengths([3, 2], [5]) = [[0, 0, 0, 1, 1], [0, 0, 0, 0, 0]] (+ first_id)."""
+    rows = [np.repeat(np.arange(len(ls)) + first_id, ls) for ls in lengths_per_batch]
+    assert len({r.size for r in rows}) == 1, "every batch element needs the same length"
+    return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+def make_packed(
+    rng,
+    lens_q,
+    lens_k,
+    *,
+    pad_q=0,
+    pad_k=0,
+    heads_q=2,
+    heads_kv=None,
+    head_dim=64,
+    dtype=jnp.float32,
+    scale=1.0,
+):
+    """Packed q [Tq, Hq, D], k, v [Tk, Hkv, D] and cu_seqlens for sequences of the given lengths,
+    with pad_q / pad_k tokens past the last sequence."""
+    heads_kv = heads_q if heads_kv is None else heads_kv
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    total_q, total_k = int(cu_q[-1]) + pad_q, int(cu_k[-1]) + pad_k
+    q = normal(rng, (total_q, heads_q, head_dim), dtype, scale)
+    k = normal(rng, (total_k, heads_kv, head_dim), dtype, scale)
+    v = normal(rng, (total_k, heads_kv, head_dim), dtype)
+    return q, k, v, (jnp.asarray(cu_q), jnp.asarray(cu_k))
