@@ -63,11 +63,20 @@ for stage in "${expanded[@]}"; do
       XLA_PYTHON_CLIENT_PREALLOCATE=false run_stage test timeout "${TEST_TIMEOUT:-420}" \
         python3 -m pytest -q -rs -n "${TEST_WORKERS:-8}" --durations=10 tests
       ;;
+    test-mma)
+      # The mma.sync family, which sm_90 otherwise runs only for the head_dim-256 backward, over
+      # the half-precision tests.
+      JAX_FLASH_CUDA_FAMILY=mma XLA_PYTHON_CLIENT_PREALLOCATE=false run_stage test-mma \
+        timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -rs -n "${TEST_WORKERS:-8}" \
+        -k "${TEST_MMA_FILTER:-float16 or bfloat16}" tests
+      ;;
     sanitize)
       run_stage memcheck timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 \
         build/gpu/sanitize_cases
       run_stage racecheck timeout 150 compute-sanitizer --tool racecheck --error-exitcode 3 \
         build/gpu/sanitize_cases
+      JAX_FLASH_CUDA_FAMILY=mma run_stage memcheck-mma timeout 150 compute-sanitizer \
+        --tool memcheck --error-exitcode 3 build/gpu/sanitize_cases
       ;;
     fwd-check) kernel_check fwd-wgmma tools/wgmma_check.cu cpp/cuda/fwd_wgmma.cu ;;
     bwd-check) kernel_check bwd-wgmma tools/bwd_wgmma_check.cu cpp/cuda/bwd_wgmma.cu ;;

@@ -1,11 +1,15 @@
 // Runs the CUDA kernels directly (no JAX) over a small grid of awkward cases so that
 // compute-sanitizer's memcheck and racecheck see every kernel family, both directions, tails,
-// causal masking, GQA and each tensor-core head dim. Usage: compute-sanitizer --tool memcheck
+// causal masking, windows, softcap, sinks, segment ids, packed batches, GQA and each tensor-core
+// head dim. JAX_FLASH_CUDA_FAMILY=mma runs the mma.sync family where wgmma would apply. Usage:
+// compute-sanitizer --tool memcheck
 // ./sanitize_cases. Exits non-zero on any CUDA error or non-finite output.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -22,11 +26,21 @@ namespace {
 using jax_flash::BwdParams;
 using jax_flash::DType;
 using jax_flash::FwdParams;
+using jax_flash::kUnbounded;
 
+// One call. Dense calls have `batch` sequences of seqlen_q / seqlen_k; packed calls (varlen) put
+// `batch` sequences of lengths seqlen_q - 3n / seqlen_k - 5n (n = 0, 1, ..; at least 0) back to
+// back plus 7 padding tokens, so that tiles straddle sequence ends and the padding span is
+// exercised.
 struct Case {
   DType dtype;
   int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim;
   bool causal;
+  int64_t left = -1, right = -1;  // window bounds, -1 unbounded
+  double softcap = 0.0;
+  bool sinks = false;
+  bool segments = false;  // documents of 37 positions (so they change mid-tile)
+  bool varlen = false;
 };
 
 size_t elem_bytes(DType t) {
@@ -99,17 +113,122 @@ int64_t count_nan(const std::vector<unsigned char>& host, DType t) {
   return n;
 }
 
+// Sequence lengths of a packed case, and its cu_seqlens over q and k.
+struct Packing {
+  std::vector<int32_t> cu_q{0}, cu_k{0};
+  int64_t total_q = 0, total_k = 0;
+};
+
+Packing packing(const Case& c) {
+  Packing p;
+  for (int64_t n = 0; n < c.batch; ++n) {
+    p.cu_q.push_back(p.cu_q.back() +
+                     static_cast<int32_t>(std::max<int64_t>(c.seqlen_q - 3 * n, 0)));
+    p.cu_k.push_back(p.cu_k.back() +
+                     static_cast<int32_t>(std::max<int64_t>(c.seqlen_k - 5 * n, 0)));
+  }
+  constexpr int64_t kPadding = 7;
+  p.total_q = p.cu_q.back() + kPadding;
+  p.total_k = p.cu_k.back() + kPadding;
+  return p;
+}
+
+// Segment ids [batch, seqlen] (documents of 37 positions) and their per-chunk (min, max).
+std::vector<int32_t> segment_ids(int64_t batch, int64_t seqlen) {
+  std::vector<int32_t> ids(batch * seqlen);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i = 0; i < seqlen; ++i) ids[b * seqlen + i] = static_cast<int32_t>(i / 37);
+  return ids;
+}
+
+std::vector<int32_t> segment_ranges(const std::vector<int32_t>& ids, int64_t batch,
+                                    int64_t seqlen) {
+  constexpr int64_t kChunk = jax_flash::kSegmentChunk;
+  const int64_t chunks = (seqlen + kChunk - 1) / kChunk;
+  std::vector<int32_t> out(batch * chunks * 2);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t c = 0; c < chunks; ++c) {
+      int32_t lo = INT32_MAX, hi = INT32_MIN;
+      for (int64_t i = c * kChunk; i < std::min(seqlen, (c + 1) * kChunk); ++i) {
+        lo = std::min(lo, ids[b * seqlen + i]);
+        hi = std::max(hi, ids[b * seqlen + i]);
+      }
+      out[(b * chunks + c) * 2] = lo;
+      out[(b * chunks + c) * 2 + 1] = hi;
+    }
+  return out;
+}
+
+template <typename T>
+const T* device_array(const std::vector<T>& host, std::vector<void*>& owned) {
+  void* ptr = nullptr;
+  CHECK_CUDA(cudaMalloc(&ptr, host.size() * sizeof(T)));
+  CHECK_CUDA(cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  owned.push_back(ptr);
+  return static_cast<const T*>(ptr);
+}
+
+// Sizes, layout and mask of both directions' params for one case.
+template <class P>
+void describe(P& p, const Case& c, const Packing& pk, const jax_flash::MaskParams& mask) {
+  p.heads_q = c.heads_q;
+  p.heads_kv = c.heads_kv;
+  p.head_dim = c.head_dim;
+  p.softmax_scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+  p.mask = mask;
+  jax_flash::SeqLayout& l = p.layout;
+  l.heads_q = c.heads_q;
+  if (c.varlen) {
+    p.batch = 1;
+    p.seqlen_q = pk.total_q;
+    p.seqlen_k = pk.total_k;
+  } else {
+    p.batch = c.batch;
+    p.seqlen_q = c.seqlen_q;
+    p.seqlen_k = c.seqlen_k;
+  }
+  l.batch = p.batch;
+  l.seqlen_q = p.seqlen_q;
+  l.seqlen_k = p.seqlen_k;
+  l.max_seqlen_q = p.seqlen_q;
+  l.max_seqlen_k = p.seqlen_k;
+  p.causal = mask.band.right == 0 && mask.band.left >= kUnbounded;
+}
+
 bool run_case(const Case& c, std::mt19937_64& rng) {
   std::normal_distribution<double> normal(0.0, 1.0);
   const DType stats = c.dtype == DType::kF64 ? DType::kF64 : DType::kF32;
-  const int64_t q_elems = c.batch * c.seqlen_q * c.heads_q * c.head_dim;
-  const int64_t kv_elems = c.batch * c.seqlen_k * c.heads_kv * c.head_dim;
-  const int64_t rows = c.batch * c.heads_q * c.seqlen_q;
+  const Packing pk = packing(c);
+  const int64_t rows_q = c.varlen ? pk.total_q : c.batch * c.seqlen_q;
+  const int64_t rows_k = c.varlen ? pk.total_k : c.batch * c.seqlen_k;
+  const int64_t q_elems = rows_q * c.heads_q * c.head_dim;
+  const int64_t kv_elems = rows_k * c.heads_kv * c.head_dim;
+  const int64_t rows = rows_q * c.heads_q;
   auto random = [&](int64_t n) {
     std::vector<double> x(n);
     for (auto& e : x) e = normal(rng);
     return x;
   };
+  std::vector<void*> owned;
+  jax_flash::MaskParams mask;
+  mask.band.left = c.left < 0 ? kUnbounded : c.left;
+  mask.band.right = c.causal ? 0 : (c.right < 0 ? kUnbounded : c.right);
+  mask.softcap = c.softcap;
+  if (c.sinks) {
+    const int64_t sink_rows = c.varlen ? 1 : c.batch;
+    const std::vector<unsigned char> sinks = encode(random(sink_rows * c.heads_q), stats);
+    mask.sinks = device_array(sinks, owned);
+    mask.sinks_batch_stride = c.varlen ? 0 : c.heads_q;
+  }
+  if (c.segments) {
+    const auto q_ids = segment_ids(c.batch, c.seqlen_q);
+    const auto kv_ids = segment_ids(c.batch, c.seqlen_k);
+    mask.segments.q_ids = device_array(q_ids, owned);
+    mask.segments.kv_ids = device_array(kv_ids, owned);
+    mask.segments.q_ranges = device_array(segment_ranges(q_ids, c.batch, c.seqlen_q), owned);
+    mask.segments.kv_ranges = device_array(segment_ranges(kv_ids, c.batch, c.seqlen_k), owned);
+  }
+
   std::vector<double> dout_host = random(q_elems);
   void* q = device_copy(encode(random(q_elems), c.dtype));
   void* k = device_copy(encode(random(kv_elems), c.dtype));
@@ -125,47 +244,54 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   CHECK_CUDA(cudaMalloc(&dv, kv_elems * elem_bytes(c.dtype)));
   CHECK_CUDA(cudaMalloc(&dq_accum, q_elems * sizeof(float)));
 
-  FwdParams fp{q,         k,          v,          o,
-               lse,       c.batch,    c.seqlen_q, c.seqlen_k,
-               c.heads_q, c.heads_kv, c.head_dim, 1.0 / std::sqrt(static_cast<double>(c.head_dim)),
-               c.causal};
+  FwdParams fp{};
+  fp.q = q;
+  fp.k = k;
+  fp.v = v;
+  fp.o = o;
+  fp.lse = lse;
+  describe(fp, c, pk, mask);
+  if (c.varlen) {
+    fp.layout.cu_seqlens_q = device_array(pk.cu_q, owned);
+    fp.layout.cu_seqlens_k = device_array(pk.cu_k, owned);
+    fp.layout.num_seqs = c.batch;
+    fp.layout.total_q = pk.total_q;
+    fp.layout.total_k = pk.total_k;
+  }
   CHECK_CUDA(jax_flash::cuda::attention_fwd(fp, c.dtype, nullptr));
   CHECK_CUDA(cudaDeviceSynchronize());
 
-  // delta = rowsum(dO * O), laid out [batch, heads_q, seqlen_q].
+  // delta = rowsum(dO * O), laid out like lse: [batch, heads_q, seqlen_q] or [heads_q, total_q].
   auto o_host = host_copy(o, q_elems * elem_bytes(c.dtype));
   std::vector<double> delta_host(rows, 0.0);
-  for (int64_t b = 0; b < c.batch; ++b)
-    for (int64_t s = 0; s < c.seqlen_q; ++s)
-      for (int64_t h = 0; h < c.heads_q; ++h) {
-        double acc = 0;
-        for (int64_t d = 0; d < c.head_dim; ++d) {
-          const int64_t i = ((b * c.seqlen_q + s) * c.heads_q + h) * c.head_dim + d;
-          acc += decode_one(o_host.data(), i, c.dtype) * dout_host[i];
-        }
-        delta_host[(b * c.heads_q + h) * c.seqlen_q + s] = acc;
+  const int64_t per_batch = c.varlen ? rows_q : c.seqlen_q;
+  for (int64_t r = 0; r < rows_q; ++r) {
+    const int64_t b = r / per_batch, s = r % per_batch;
+    for (int64_t h = 0; h < c.heads_q; ++h) {
+      double acc = 0;
+      for (int64_t d = 0; d < c.head_dim; ++d) {
+        const int64_t i = (r * c.heads_q + h) * c.head_dim + d;
+        acc += decode_one(o_host.data(), i, c.dtype) * dout_host[i];
       }
+      delta_host[(b * c.heads_q + h) * per_batch + s] = acc;
+    }
+  }
   auto delta_bytes = encode(delta_host, stats);
   CHECK_CUDA(cudaMemcpy(delta, delta_bytes.data(), delta_bytes.size(), cudaMemcpyHostToDevice));
 
-  BwdParams bp{q,
-               k,
-               v,
-               dout,
-               lse,
-               delta,
-               dq,
-               dk,
-               dv,
-               dq_accum,
-               c.batch,
-               c.seqlen_q,
-               c.seqlen_k,
-               c.heads_q,
-               c.heads_kv,
-               c.head_dim,
-               fp.softmax_scale,
-               c.causal};
+  BwdParams bp{};
+  bp.q = q;
+  bp.k = k;
+  bp.v = v;
+  bp.dout = dout;
+  bp.lse = lse;
+  bp.delta = delta;
+  bp.dq = dq;
+  bp.dk = dk;
+  bp.dv = dv;
+  bp.dq_accum = dq_accum;
+  describe(bp, c, pk, mask);
+  bp.layout = fp.layout;
   CHECK_CUDA(jax_flash::cuda::attention_bwd(bp, c.dtype, nullptr));
   CHECK_CUDA(cudaDeviceSynchronize());
 
@@ -174,12 +300,17 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
                             count_nan(host_copy(dk, kv_elems * elem_bytes(c.dtype)), c.dtype) +
                             count_nan(host_copy(dv, kv_elems * elem_bytes(c.dtype)), c.dtype);
   for (void* p : {q, k, v, dout, o, lse, delta, dq, dk, dv}) CHECK_CUDA(cudaFree(p));
+  for (void* p : owned) CHECK_CUDA(cudaFree(p));
   CHECK_CUDA(cudaFree(dq_accum));
-  std::printf("dtype=%d B=%lld Sq=%lld Sk=%lld Hq=%lld Hkv=%lld D=%lld causal=%d: %s\n",
-              static_cast<int>(c.dtype), static_cast<long long>(c.batch),
-              static_cast<long long>(c.seqlen_q), static_cast<long long>(c.seqlen_k),
-              static_cast<long long>(c.heads_q), static_cast<long long>(c.heads_kv),
-              static_cast<long long>(c.head_dim), c.causal, nan_count ? "NaN in output" : "ok");
+  std::printf(
+      "dtype=%d B=%lld Sq=%lld Sk=%lld Hq=%lld Hkv=%lld D=%lld causal=%d window=(%lld,%lld) "
+      "softcap=%g sinks=%d segments=%d varlen=%d: %s\n",
+      static_cast<int>(c.dtype), static_cast<long long>(c.batch),
+      static_cast<long long>(c.seqlen_q), static_cast<long long>(c.seqlen_k),
+      static_cast<long long>(c.heads_q), static_cast<long long>(c.heads_kv),
+      static_cast<long long>(c.head_dim), c.causal, static_cast<long long>(c.left),
+      static_cast<long long>(c.right), c.softcap, c.sinks, c.segments, c.varlen,
+      nan_count ? "NaN in output" : "ok");
   return nan_count == 0;
 }
 
@@ -199,6 +330,34 @@ int main() {
   for (DType t : {DType::kF32, DType::kF64}) {
     for (int64_t d : {33, 64, 256}) {
       for (bool causal : {false, true}) cases.push_back({t, 1, 71, 130, 4, 2, d, causal});
+    }
+  }
+  // The mask features, each with tails that straddle tiles, in every family.
+  for (DType t : {DType::kBF16, DType::kF16, DType::kF32, DType::kF64}) {
+    const bool half = t == DType::kBF16 || t == DType::kF16;
+    for (int64_t d : half ? std::vector<int64_t>{64, 128, 256} : std::vector<int64_t>{40}) {
+      Case window{t, 1, 301, 333, 4, 2, d, true};
+      window.left = 70;
+      cases.push_back(window);
+      Case band{t, 2, 290, 190, 2, 1, d, false};
+      band.left = 5;
+      band.right = 40;
+      band.softcap = 20.0;
+      band.sinks = true;
+      cases.push_back(band);
+      Case segments{t, 2, 260, 260, 4, 2, d, true};
+      segments.segments = true;
+      segments.sinks = true;
+      cases.push_back(segments);
+      Case packed{t, 4, 150, 170, 4, 2, d, true};
+      packed.varlen = true;
+      packed.left = 60;
+      packed.softcap = 10.0;
+      cases.push_back(packed);
+      Case packed_full{t, 3, 97, 6, 2, 2, d, false};  // the last sequence has no keys
+      packed_full.varlen = true;
+      packed_full.sinks = true;
+      cases.push_back(packed_full);
     }
   }
   int failures = 0;

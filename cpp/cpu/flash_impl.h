@@ -23,8 +23,15 @@
 //    K^T and V^T are packed once per task, so each row tile only needs plain row copies.
 //  * Every product is one register-blocked micro-kernel (kMicroRows x 2 vectors of accumulators,
 //    A broadcast from a tile in place, B streamed as vectors).
-//  * Causal masks are bottom-right aligned; tiles wholly in the future are never visited and only
-//    tiles that straddle the diagonal are masked element-wise.
+//  * Every mask is common/mask.h's: the band (a window, causal as right = 0, bottom-right aligned
+//    per sequence) bounds each block's inner loop to the keys (or rows) it can see, so that a
+//    window costs what its visible pairs cost; of the tiles inside those bounds, the ones whose
+//    segment-id ranges are disjoint are skipped, and only the band's boundary tiles and the tiles
+//    with mixed segment ids are masked element-wise, in a separate pass over the score tile, so
+//    that the softmax loops never test a mask. Soft-capping is one more pass over the scores.
+//  * A call is a list of sequences (common/schedule.h SeqLayout): a dense batch, or a packed
+//    batch cut by cu_seqlens, which live in host memory here, so each pass counts the blocks of
+//    every sequence once and hands the thread pool one task per (sequence, kv head, block).
 //  * The backward pass is two passes that each own their outputs (dK/dV per key block, dQ per row
 //    block), so it needs no atomics and is deterministic. Both recompute P = exp(S - lse).
 //
@@ -114,6 +121,32 @@ inline VF Exp(const VF& x) {
 inline VD Exp(const VD& x) {
   VD y;
   for (int64_t i = 0; i < kLanes<double>; ++i) y[i] = std::exp(x[i]);
+  return y;
+}
+
+// tanh, vectorised, for soft-capping. Near 0, where 1 - 2 / (e^2x + 1) would cancel, the Taylor
+// series of tanh(x) / x in x^2 (to x^12: the first omitted term is below 2^-33 of the result at
+// the switch point); elsewhere that formula, which saturates to +-1 without overflow since Exp
+// clamps its argument. Within a few float ulps throughout.
+inline VF Tanh(const VF& x) {
+  const VF zero = Splat(0.0f);
+  const VF ax = x < zero ? -x : x;
+  const VF x2 = ax * ax;
+  VF p = Splat(21844.0f / 6081075.0f);
+  p = Madd(p, x2, Splat(-1382.0f / 155925.0f));
+  p = Madd(p, x2, Splat(62.0f / 2835.0f));
+  p = Madd(p, x2, Splat(-17.0f / 315.0f));
+  p = Madd(p, x2, Splat(2.0f / 15.0f));
+  p = Madd(p, x2, Splat(-1.0f / 3.0f));
+  const VF near = Madd(p * x2, ax, ax);
+  const VF far = Splat(1.0f) - Splat(2.0f) / (Exp(ax + ax) + Splat(1.0f));
+  const VF t = ax < Splat(0.3125f) ? near : far;
+  return x < zero ? -t : t;
+}
+
+inline VD Tanh(const VD& x) {
+  VD y = x;
+  for (int64_t i = 0; i < kLanes<double>; ++i) y[i] = std::tanh(x[i]);
   return y;
 }
 
@@ -217,100 +250,250 @@ inline constexpr bool kTilesFit =
     kRowTile % (kMicroVecs * kLanes<T>) == 0 && kKeyTile % (kMicroVecs * kLanes<T>) == 0;
 static_assert(kTilesFit<float> && kTilesFit<double>, "tiles must be whole micro-tiles");
 
+// Sizes that every sequence of a call shares.
 struct Shape {
-  int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim;
-  bool causal;
+  int64_t heads_q, heads_kv, head_dim;
 
   int64_t Group() const { return heads_q / heads_kv; }
-  int64_t Rows() const { return seqlen_q * Group(); }
-  int64_t Position(int64_t row) const { return row / Group(); }
-  // Query position i sees key j iff j <= i + CausalShift().
-  int64_t CausalShift() const { return seqlen_k - seqlen_q; }
-  // Exclusive end of the keys that rows [0, row_end) can see.
-  int64_t KeyEnd(int64_t row_end) const {
-    if (!causal) return seqlen_k;
-    return std::clamp<int64_t>(Position(row_end - 1) + 1 + CausalShift(), 0, seqlen_k);
-  }
-  // First row that sees key j.
-  int64_t FirstRow(int64_t key) const {
-    if (!causal) return 0;
-    return std::clamp<int64_t>(key - CausalShift(), 0, seqlen_q) * Group();
-  }
-  // True when some key of [key0, key0 + keys) is in the future of some row of [r0, ...): only
-  // such tiles need element-wise masking.
-  bool Straddles(int64_t r0, int64_t key0, int64_t keys) const {
-    return causal && key0 + keys - 1 > Position(r0) + CausalShift();
-  }
-  // Offsets of row r of a group: into [batch, seqlen_q, heads_q, head_dim] from the group's first
-  // element, and into [batch, heads_q, seqlen_q] from the group's first statistic.
-  int64_t RowOffset(int64_t r) const {
-    const int64_t i = Position(r);
-    return (i * heads_q + (r - i * Group())) * head_dim;
-  }
-  int64_t StatOffset(int64_t r) const {
-    const int64_t i = Position(r);
-    return (r - i * Group()) * seqlen_q + i;
-  }
 };
 
 // P is FwdParams or BwdParams, which name their sizes alike.
 template <class P>
 inline Shape MakeShape(const P& p) {
-  return {p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.head_dim, p.causal};
+  return {p.heads_q, p.heads_kv, p.head_dim};
 }
 
-// Element offsets of one (batch, kv head) group in each tensor.
-struct GroupOffsets {
-  int64_t rows;   // (b, position 0, first query head of the group, 0) in Q / O / dO / dQ
-  int64_t stats;  // (b, first query head of the group, position 0) in lse / delta
-  int64_t keys;   // (b, key 0, hk, 0) in K / V / dK / dV
+// What one (row tile, key tile) pair needs beyond its products.
+struct TileMasks {
+  bool skip;      // no row of the tile shares a segment with any key: nothing to compute
+  bool band;      // some score lies outside the band (or past the sequence's keys)
+  bool segments;  // some row and key of the tile hold different segment ids
 
-  GroupOffsets(const Shape& s, int64_t b, int64_t hk)
-      : rows((b * s.seqlen_q * s.heads_q + hk * s.Group()) * s.head_dim),
-        stats((b * s.heads_q + hk * s.Group()) * s.seqlen_q),
-        keys((b * s.seqlen_k * s.heads_kv + hk) * s.head_dim) {}
+  bool Any() const { return band || segments; }
 };
 
-// The tasks of one pass: for every (batch, kv head), `blocks` outer blocks that each own their
-// outputs, each cut into `splits` contiguous pieces of its inner loop.
-struct Schedule {
-  int64_t heads;   // batch * heads_kv
-  int64_t blocks;  // outer blocks per (batch, kv head)
-  int64_t splits;  // pieces per block; > 1 only when blocks alone cannot occupy the pool
+// Tiles of at most `size` over [begin, end): tile t covers [Start(t), Start(t) + Length(t)).
+struct Tiling {
+  int64_t begin, end, size;
 
-  Schedule(int64_t heads_, int64_t blocks_, int64_t inner_tiles) : heads(heads_), blocks(blocks_) {
+  int64_t Count() const { return end > begin ? CeilDiv(end - begin, size) : 0; }
+  int64_t Start(int64_t t) const { return begin + t * size; }
+  int64_t Length(int64_t t) const { return std::min(size, end - Start(t)); }
+};
+
+// One GQA group of one sequence: rows [0, Rows()) are the (position, query head) pairs of query
+// heads hk * G .. hk * G + G - 1, row r being position r / G of head hk * G + r % G (see the top),
+// and keys [0, len_k) those of kv head hk. Positions and keys are sequence-local, and so is the
+// band, which is in positions: a tile of rows [r0, r1) covers positions [r0 / G, (r1 - 1) / G].
+struct SpanGroup {
+  int64_t group;  // G = heads_q / heads_kv
+  int64_t heads_q, head_dim;
+  int64_t len_q, len_k;
+  int64_t stat_head;
+  int64_t row_base;   // element offset of (q_start, head hk * G, 0) in Q / O / dO / dQ
+  int64_t stat_base;  // of (head hk * G, position 0) in lse / delta
+  int64_t key_base;   // of (k_start, hk, 0) in K / V / dK / dV
+  int64_t sink_base;  // of (batch, head hk * G) in the sinks
+  SeqMask band;
+  // The sequence's segment ids and their chunk ranges; null without segment ids.
+  const int32_t* q_ids = nullptr;
+  const int32_t* kv_ids = nullptr;
+  const int32_t* q_ranges = nullptr;
+  const int32_t* kv_ranges = nullptr;
+
+  SpanGroup(const Shape& shape, const MaskParams& mask, const SeqLayout& layout,
+            const SeqSpan& span, int64_t hk)
+      : group(shape.Group()),
+        heads_q(shape.heads_q),
+        head_dim(shape.head_dim),
+        len_q(span.len_q),
+        len_k(span.len_k),
+        stat_head(span.stat_head),
+        row_base((span.q_start * shape.heads_q + hk * group) * shape.head_dim),
+        stat_base(span.stat_start + hk * group * span.stat_head),
+        key_base((span.k_start * shape.heads_kv + hk) * shape.head_dim),
+        sink_base(span.batch * mask.sinks_batch_stride + hk * group),
+        band(mask.band.for_seq(span.len_q, span.len_k)) {
+    if (mask.segments.enabled()) {
+      // Segment ids come with dense batches only: sequence `batch` is row `batch` of each array.
+      const SegmentIds& s = mask.segments;
+      q_ids = s.q_ids + span.batch * layout.seqlen_q;
+      kv_ids = s.kv_ids + span.batch * layout.seqlen_k;
+      q_ranges = s.q_ranges + span.batch * CeilDiv(layout.seqlen_q, kSegmentChunk) * 2;
+      kv_ranges = s.kv_ranges + span.batch * CeilDiv(layout.seqlen_k, kSegmentChunk) * 2;
+    }
+  }
+
+  int64_t Rows() const { return len_q * group; }
+  // Offsets of row r: into Q / O / dO / dQ from row_base, into lse / delta from stat_base.
+  int64_t RowOffset(int64_t r) const {
+    const int64_t i = r / group;
+    return (i * heads_q + (r - i * group)) * head_dim;
+  }
+  int64_t StatOffset(int64_t r) const {
+    const int64_t i = r / group;
+    return (r - i * group) * stat_head + i;
+  }
+  // The keys that some row of [r0, r1) may see, in tiles; r0 < r1.
+  Tiling KeysSeen(int64_t r0, int64_t r1) const {
+    return {band.key_begin(r0 / group), band.key_end((r1 - 1) / group + 1), kKeyTile};
+  }
+  // The rows that may see some key of [c0, c1), in tiles; c0 < c1.
+  Tiling RowsSeeing(int64_t c0, int64_t c1) const {
+    return {band.row_begin(c0) * group, band.row_end(c1) * group, kRowTile};
+  }
+  // Within the bounds above every tile pair holds a visible score as far as the band goes (it is
+  // convex), so only segment ids can make one empty.
+  TileMasks Classify(int64_t r0, int64_t rows, int64_t key0, int64_t keys) const {
+    const int64_t p0 = r0 / group;
+    const int64_t p1 = (r0 + rows - 1) / group + 1;
+    TileMasks m{false, !band.tile_full(p0, p1, key0, key0 + keys), false};
+    if (q_ids != nullptr) {
+      const IdRange qr = id_range(q_ranges, p0, p1);
+      const IdRange kr = id_range(kv_ranges, key0, key0 + keys);
+      m.skip = qr.disjoint(kr);
+      m.segments = !qr.same_single(kr);
+    }
+    return m;
+  }
+};
+
+// The outer blocks of one pass: every (sequence, kv head) cut into blocks of `tile` rows (the
+// forward and dQ passes) or keys (the dK/dV pass), each of which owns its outputs.
+class Blocks {
+ public:
+  struct Block {
+    SeqSpan span;
+    int64_t hk;
+    int64_t index;  // of the block within its sequence
+    int64_t id;     // a number in [0, Count()) of its own
+  };
+
+  Blocks(const SeqLayout& layout, int64_t group, int64_t heads_kv, bool keys, int64_t tile)
+      : layout_(layout), group_(group), heads_kv_(heads_kv), keys_(keys) {
+    if (!layout.varlen()) {
+      per_seq_ = CeilDiv(keys ? layout.seqlen_k : layout.seqlen_q * group, tile);
+      per_head_ = layout.batch * per_seq_;
+      return;
+    }
+    // The CPU sees cu_seqlens in host memory, so the blocks of every sequence are counted once
+    // and a block is found by binary search: each sequence gets only the blocks it needs, and a
+    // batch of many short sequences still gives one task per (sequence, kv head, block).
+    first_.resize(static_cast<size_t>(layout.spans() + 1));
+    for (int64_t n = 0; n < layout.spans(); ++n) {
+      first_[n + 1] = first_[n] + CeilDiv(Extent(Span(n)), tile);
+    }
+    per_head_ = first_.back();
+  }
+
+  int64_t Count() const { return heads_kv_ * per_head_; }
+
+  // Sequence n as this pass sees it. The key pass gives the padding span the keys past
+  // cu_seqlens_k[num_seqs] and no queries, so that their dK and dV are written (as zeros).
+  SeqSpan Span(int64_t n) const {
+    SeqSpan s = layout_.span(n);
+    if (keys_ && layout_.varlen() && n >= layout_.num_seqs) {
+      s.len_k = layout_.total_k - s.k_start;
+      s.len_q = 0;
+    }
+    return s;
+  }
+
+  // Block o of [0, Count()). Within a sequence the order alternates its first and last blocks:
+  // under a band a block's cost grows or shrinks with its index, and any contiguous share of the
+  // tasks that the pool hands one thread then carries about the same work.
+  Block Get(int64_t o) const {
+    const int64_t hk = o / per_head_;
+    const int64_t g = o - hk * per_head_;
+    int64_t n, first, count;
+    if (!layout_.varlen()) {
+      n = g / per_seq_;
+      first = n * per_seq_;
+      count = per_seq_;
+    } else {
+      // The last sequence whose first block is at most g: empty sequences share their first
+      // block with the next one and are passed over.
+      n = std::upper_bound(first_.begin(), first_.end(), g) - first_.begin() - 1;
+      first = first_[n];
+      count = first_[n + 1] - first;
+    }
+    const int64_t i = g - first;
+    const int64_t index = i % 2 == 0 ? i / 2 : count - 1 - i / 2;
+    return {Span(n), hk, index, hk * per_head_ + first + index};
+  }
+
+ private:
+  int64_t Extent(const SeqSpan& s) const { return keys_ ? s.len_k : s.len_q * group_; }
+
+  SeqLayout layout_;
+  int64_t group_, heads_kv_;
+  bool keys_;
+  int64_t per_seq_ = 0;               // dense: blocks per sequence
+  int64_t per_head_ = 0;              // blocks per kv head, over all sequences
+  std::vector<int64_t> first_ = {0};  // packed: first block of each sequence, and the total
+};
+
+// The tasks of one pass: every outer block, cut into `splits` contiguous pieces of its inner loop.
+struct Schedule {
+  const Blocks& blocks;
+  int64_t splits = 1;
+
+  // inner(block) is the number of inner tiles the block visits; only consulted when the blocks
+  // alone cannot occupy the thread pool.
+  template <class Inner>
+  Schedule(const Blocks& blocks_, Inner inner) : blocks(blocks_) {
     // 16 tasks keep a small pool busy with slack for uneven tasks; a piece keeps at least 4 tiles
     // so that combining the partial results stays cheap next to computing them.
     constexpr int64_t kMinTasks = 16;
     constexpr int64_t kMinTilesPerSplit = 4;
-    const int64_t outer = heads * blocks;
-    splits = outer >= kMinTasks ? 1
-                                : std::max<int64_t>(1, std::min(CeilDiv(kMinTasks, outer),
-                                                                inner_tiles / kMinTilesPerSplit));
+    const int64_t outer = blocks.Count();
+    if (outer == 0 || outer >= kMinTasks) return;
+    int64_t most = 0;
+    for (int64_t o = 0; o < outer; ++o) most = std::max(most, inner(blocks.Get(o)));
+    splits = std::max<int64_t>(1, std::min(CeilDiv(kMinTasks, outer), most / kMinTilesPerSplit));
   }
-  int64_t Outer() const { return heads * blocks; }
+  int64_t Outer() const { return blocks.Count(); }
   int64_t Tasks() const { return Outer() * splits; }
 
   struct Task {
-    int64_t b, hk, block, split, outer;
+    Blocks::Block block;
+    int64_t split;
   };
-  // With a causal mask the cost of a block grows (or shrinks) with its index, so the task order
-  // alternates cheap and expensive blocks: any contiguous share of the task range that a thread
-  // pool hands one thread then carries about the same work.
-  Task Decode(int64_t t, int64_t heads_kv) const {
-    const int64_t outer = t / splits;
-    const int64_t bh = outer / blocks;
-    const int64_t i = outer - bh * blocks;
-    const int64_t block = i % 2 == 0 ? i / 2 : blocks - 1 - i / 2;
-    return {bh / heads_kv, bh % heads_kv, block, t - outer * splits, bh * blocks + block};
-  }
-  // The part of inner tiles [begin, end) that piece `split` covers.
-  std::pair<int64_t, int64_t> Piece(int64_t split, int64_t begin, int64_t end) const {
-    const int64_t per = CeilDiv(end - begin, splits);
-    return {std::min(begin + split * per, end), std::min(begin + (split + 1) * per, end)};
+  Task Decode(int64_t t) const { return {blocks.Get(t / splits), t % splits}; }
+  // The inner tiles [first, second) of [0, count) that piece `split` covers.
+  std::pair<int64_t, int64_t> Piece(int64_t split, int64_t count) const {
+    const int64_t per = CeilDiv(count, splits);
+    return {std::min(split * per, count), std::min((split + 1) * per, count)};
   }
   // Index of a task's partial result: the pieces of one block are adjacent, in piece order.
-  int64_t Slot(const Task& task) const { return task.outer * splits + task.split; }
+  int64_t Slot(const Task& task) const { return task.block.id * splits + task.split; }
+};
+
+// A block of the forward or dQ pass: rows [r0, r0 + rows) of one group and the keys they see.
+struct RowBlock {
+  SpanGroup g;
+  int64_t r0, rows;
+  Tiling keys;
+
+  template <class P>
+  RowBlock(const P& p, const Shape& shape, const Blocks::Block& b)
+      : g(shape, p.mask, p.layout, b.span, b.hk),
+        r0(b.index * kRowTile),
+        rows(std::min(kRowTile, g.Rows() - r0)),
+        keys(g.KeysSeen(r0, r0 + rows)) {}
+};
+
+// A block of the dK/dV pass: keys [key0, key0 + keys) of one group and the rows that see them.
+struct KeyBlock {
+  SpanGroup g;
+  int64_t key0, keys;
+  Tiling rows;
+
+  KeyBlock(const BwdParams& p, const Shape& shape, const Blocks::Block& b)
+      : g(shape, p.mask, p.layout, b.span, b.hk),
+        key0(b.index * kKeyTile),
+        keys(std::min(kKeyTile, g.len_k - key0)),
+        rows(g.RowsSeeing(key0, key0 + keys)) {}
 };
 
 // One heap buffer per task, carved into 64-byte aligned arrays of the given sizes, handed out in
@@ -352,14 +535,14 @@ void LoadRow(const S* src, int64_t n, T* dst) {
   }
 }
 
-// Rows [r0, r0 + rows) of a group, transposed into dst[d][r] and multiplied by `scale`; lanes
-// [rows, padded) are zeroed so that they stay finite.
+// Rows [r0, r0 + rows) of a group (base points at its row_base), transposed into dst[d][r] and
+// multiplied by `scale`; lanes [rows, padded) are zeroed so that they stay finite.
 template <class T, class S>
-void PackRowsTransposed(const S* base, const Shape& shape, int64_t r0, int64_t rows, int64_t padded,
+void PackRowsTransposed(const S* base, const SpanGroup& g, int64_t r0, int64_t rows, int64_t padded,
                         T scale, T* dst, int64_t ld) {
-  const int64_t d_dim = shape.head_dim;
+  const int64_t d_dim = g.head_dim;
   for (int64_t r = 0; r < rows; ++r) {
-    const S* src = base + shape.RowOffset(r0 + r);
+    const S* src = base + g.RowOffset(r0 + r);
     for (int64_t d = 0; d < d_dim; ++d) dst[d * ld + r] = Load<T>(src + d) * scale;
   }
   for (int64_t d = 0; d < d_dim; ++d) std::fill(dst + d * ld + rows, dst + d * ld + padded, T(0));
@@ -368,12 +551,12 @@ void PackRowsTransposed(const S* base, const Shape& shape, int64_t r0, int64_t r
 // Rows [r0, r0 + rows) of a group, row-major into dst[r][d], multiplied by `scale`, head_dim
 // zero-padded to ld.
 template <class T, class S>
-void PackRows(const S* base, const Shape& shape, int64_t r0, int64_t rows, T scale, T* dst,
+void PackRows(const S* base, const SpanGroup& g, int64_t r0, int64_t rows, T scale, T* dst,
               int64_t ld) {
-  const int64_t d_dim = shape.head_dim;
+  const int64_t d_dim = g.head_dim;
   for (int64_t r = 0; r < rows; ++r) {
     T* out = dst + r * ld;
-    LoadRow(base + shape.RowOffset(r0 + r), d_dim, out);
+    LoadRow(base + g.RowOffset(r0 + r), d_dim, out);
     for (int64_t d = 0; d < d_dim; ++d) out[d] *= scale;
     std::fill(out + d_dim, out + ld, T(0));
   }
@@ -400,30 +583,72 @@ void PackKeysTransposed(const S* src, int64_t src_ld, int64_t keys, int64_t padd
 }
 
 // ---------------------------------------------------------------------------------------------
-// Causal masks (bottom-right aligned).
+// Score tiles after their product: soft-capping, then the masks a tile pair needs (TileMasks).
+// Both are passes of their own over a tile, run only for the tiles that need them, so the
+// softmax loops stay the same for every mask. A masked score is set to -inf, never multiplied by
+// 0, so a non-finite score there cannot leak.
 
-// S^T[j][r] = -inf where key key0 + j is in the future of row r0 + r.
+// S = c tanh(S / c) over `count` lines of `width` (whole vectors) at stride ld.
 template <class T>
-void MaskTransposed(const Shape& shape, int64_t r0, int64_t key0, int64_t keys, int64_t padded,
-                    T* st, int64_t ld) {
-  for (int64_t j = 0; j < keys; ++j) {
-    // Positions below key - shift cannot see the key; in rows, that is (key - shift) * G.
-    const int64_t first_seen = (key0 + j - shape.CausalShift()) * shape.Group() - r0;
-    T* row = st + j * ld;
-    std::fill(row, row + std::clamp<int64_t>(first_seen, 0, padded),
-              -std::numeric_limits<T>::infinity());
+void Softcap(T cap, int64_t count, int64_t width, T* s, int64_t ld) {
+  constexpr int64_t kL = kLanes<T>;
+  const Vec<T> c = Splat(cap);
+  const Vec<T> inv = Splat(T(1) / cap);
+  for (int64_t i = 0; i < count; ++i) {
+    for (int64_t w = 0; w < width; w += kL) {
+      T* at = s + i * ld + w;
+      StoreVec(at, c * Tanh(LoadVec(at) * inv));
+    }
   }
 }
 
-// S[r][j] = -inf where key key0 + j is in the future of row r0 + r.
+// Segment ids of rows [r0, r0 + rows) of a group.
+inline void RowIds(const SpanGroup& g, int64_t r0, int64_t rows, int32_t* ids) {
+  for (int64_t r = 0; r < rows; ++r) ids[r] = g.q_ids[(r0 + r) / g.group];
+}
+
+// Rows along the lanes: S^T[j][r] = -inf where row r0 + r does not see key key0 + j. Lanes
+// [rows, padded) hold no row and are left as they are, or -inf.
 template <class T>
-void MaskRows(const Shape& shape, int64_t r0, int64_t rows, int64_t key0, int64_t padded, T* s,
-              int64_t ld) {
+void MaskTransposed(const SpanGroup& g, const TileMasks& m, int64_t r0, int64_t rows, int64_t key0,
+                    int64_t keys, int64_t padded, const int32_t* row_ids, T* st, int64_t ld) {
+  constexpr T kHidden = -std::numeric_limits<T>::infinity();
+  for (int64_t j = 0; j < keys; ++j) {
+    T* line = st + j * ld;
+    if (m.band) {
+      const Tiling seen = g.RowsSeeing(key0 + j, key0 + j + 1);
+      const int64_t lo = std::clamp<int64_t>(seen.begin - r0, 0, padded);
+      const int64_t hi = std::clamp<int64_t>(seen.end - r0, lo, padded);
+      std::fill(line, line + lo, kHidden);
+      std::fill(line + hi, line + padded, kHidden);
+    }
+    if (m.segments) {
+      const int32_t id = g.kv_ids[key0 + j];
+      for (int64_t r = 0; r < rows; ++r) line[r] = row_ids[r] == id ? line[r] : kHidden;
+    }
+  }
+}
+
+// Keys along the lanes: S[r][c] = -inf where row r0 + r does not see key key0 + c. Lanes
+// [keys, padded) hold no key and are left as they are, or -inf.
+template <class T>
+void MaskRows(const SpanGroup& g, const TileMasks& m, int64_t r0, int64_t rows, int64_t key0,
+              int64_t keys, int64_t padded, const int32_t* row_ids, T* s, int64_t ld) {
+  constexpr T kHidden = -std::numeric_limits<T>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t first_hidden = shape.Position(r0 + r) + shape.CausalShift() + 1 - key0;
-    T* row = s + r * ld;
-    std::fill(row + std::clamp<int64_t>(first_hidden, 0, padded), row + padded,
-              -std::numeric_limits<T>::infinity());
+    T* line = s + r * ld;
+    if (m.band) {
+      const int64_t i = (r0 + r) / g.group;
+      const int64_t lo = std::clamp<int64_t>(g.band.key_begin(i) - key0, 0, padded);
+      const int64_t hi = std::clamp<int64_t>(g.band.key_end(i + 1) - key0, lo, padded);
+      std::fill(line, line + lo, kHidden);
+      std::fill(line + hi, line + padded, kHidden);
+    }
+    if (m.segments) {
+      const int32_t id = row_ids[r];
+      const int32_t* key_ids = g.kv_ids + key0;
+      for (int64_t c = 0; c < keys; ++c) line[c] = key_ids[c] == id ? line[c] : kHidden;
+    }
   }
 }
 
@@ -443,42 +668,49 @@ struct SoftmaxState {
       : ot(buffer), max(buffer + d_dim * kRowTile), sum(max + kRowTile) {}
 };
 
-// Runs key tiles [tile_begin, tile_end) (clipped to the keys these rows see) through the online
-// softmax of rows [r0, r0 + rows), starting from an empty state.
+// Runs key tiles [t0, t1) of the block's keys through the online softmax of its rows, starting
+// from an empty state.
 template <class T, class S>
-void ForwardRows(const FwdParams& p, const Shape& shape, const GroupOffsets& at, int64_t r0,
-                 int64_t rows, int64_t tile_begin, int64_t tile_end, SoftmaxState<T> state) {
+void ForwardRows(const FwdParams& p, const RowBlock& blk, int64_t t0, int64_t t1,
+                 SoftmaxState<T> state) {
   constexpr int64_t kL = kLanes<T>;
   constexpr int64_t ld = kRowTile;
   constexpr T kInf = std::numeric_limits<T>::infinity();
-  const int64_t d_dim = shape.head_dim;
+  const SpanGroup& g = blk.g;
+  const int64_t d_dim = g.head_dim;
+  const int64_t rows = blk.rows;
   const int64_t padded = RoundUp(rows, kL);
-  const int64_t key_begin = tile_begin * kKeyTile;
-  const int64_t key_end = std::min(tile_end * kKeyTile, shape.KeyEnd(r0 + rows));
   std::fill(state.ot, state.ot + d_dim * ld, T(0));
   std::fill(state.max, state.max + ld, -kInf);
   std::fill(state.sum, state.sum + ld, T(0));
-  if (key_begin >= key_end) return;
+  if (t0 >= t1) return;
 
-  const int64_t kv_ld = shape.heads_kv * d_dim;
-  const S* k_base = static_cast<const S*>(p.k) + at.keys;
-  const S* v_base = static_cast<const S*>(p.v) + at.keys;
+  const int64_t kv_ld = p.heads_kv * d_dim;
+  const S* k_base = static_cast<const S*>(p.k) + g.key_base;
+  const S* v_base = static_cast<const S*>(p.v) + g.key_base;
   Workspace<T> ws({d_dim * ld, kKeyTile * ld, ld, kKeyTile * d_dim, kKeyTile * d_dim});
   T* qt = ws.Next();
   T* st = ws.Next();
   T* rescale = ws.Next();
   T* k_tile = ws.Next();
   T* v_tile = ws.Next();
-  PackRowsTransposed(static_cast<const S*>(p.q) + at.rows, shape, r0, rows, padded,
+  PackRowsTransposed(static_cast<const S*>(p.q) + g.row_base, g, blk.r0, rows, padded,
                      static_cast<T>(p.softmax_scale), qt, ld);
+  int32_t row_ids[kRowTile];
+  if (g.q_ids != nullptr) RowIds(g, blk.r0, rows, row_ids);
+  const T cap = static_cast<T>(p.mask.softcap);
 
-  for (int64_t key0 = key_begin; key0 < key_end; key0 += kKeyTile) {
-    const int64_t keys = std::min(kKeyTile, key_end - key0);
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t key0 = blk.keys.Start(t);
+    const int64_t keys = blk.keys.Length(t);
+    const TileMasks masks = g.Classify(blk.r0, rows, key0, keys);
+    if (masks.skip) continue;
     const T* kt = CopyKeyTile(k_base + key0 * kv_ld, kv_ld, keys, d_dim, k_tile);
     const T* vt = CopyKeyTile(v_base + key0 * kv_ld, kv_ld, keys, d_dim, v_tile);
 
     Gemm<T, Update::kOverwrite>(keys, padded, d_dim, kt, d_dim, 1, qt, ld, st, ld);
-    if (shape.Straddles(r0, key0, keys)) MaskTransposed(shape, r0, key0, keys, padded, st, ld);
+    if (cap > 0) Softcap(cap, keys, padded, st, ld);
+    if (masks.Any()) MaskTransposed(g, masks, blk.r0, rows, key0, keys, padded, row_ids, st, ld);
 
     // A row that has seen only masked keys keeps max = -inf. Its subtraction point is clamped to
     // 0 so that exp gives 0 rather than NaN, and its rescale exp(-inf - finite) is 0.
@@ -502,21 +734,43 @@ void ForwardRows(const FwdParams& p, const Shape& shape, const GroupOffsets& at,
   }
 }
 
-// Writes O = O^T / sum and lse = max + log(sum) for rows [r0, r0 + rows); a row with sum = 0 saw
-// no key and gets O = 0, lse = -inf. lse is evaluated in double so that the stored value carries a
+// Writes O = O^T / sum and lse = max + log(sum) for the block's rows; a row with sum = 0 saw no
+// key and gets O = 0, lse = -inf. lse is evaluated in double so that the stored value carries a
 // single rounding; when one key dominates a row, log(sum) vanishes and lse is exactly the row
 // max, consistent with the scores the backward pass recomputes.
+//
+// A sink is one more term e^sink of every row's denominator, with no value. Starting the online
+// softmax at max = sink, sum = 1 gives the same sum as adding the term here, once per row and in
+// double, which leaves the key loops (and the merge of split pieces) as they are. A row that saw
+// no key then gets O = 0 and lse = sink.
 template <class T, class S>
-void WriteForward(const FwdParams& p, const Shape& shape, const GroupOffsets& at, int64_t r0,
-                  int64_t rows, const T* ot, const double* max, const double* sum) {
-  S* o_base = static_cast<S*>(p.o) + at.rows;
-  T* lse_base = static_cast<T*>(p.lse) + at.stats;
-  for (int64_t r = 0; r < rows; ++r) {
-    S* out = o_base + shape.RowOffset(r0 + r);
-    const T inv = sum[r] > 0 ? static_cast<T>(1.0 / sum[r]) : T(0);
-    for (int64_t d = 0; d < shape.head_dim; ++d) Store(out + d, ot[d * kRowTile + r] * inv);
-    lse_base[shape.StatOffset(r0 + r)] = sum[r] > 0 ? static_cast<T>(max[r] + std::log(sum[r]))
-                                                    : -std::numeric_limits<T>::infinity();
+void WriteForward(const FwdParams& p, const RowBlock& blk, const T* ot, const double* max,
+                  const double* sum) {
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  const SpanGroup& g = blk.g;
+  S* o_base = static_cast<S*>(p.o) + g.row_base;
+  T* lse_base = static_cast<T*>(p.lse) + g.stat_base;
+  const T* sinks =
+      p.mask.sinks != nullptr ? static_cast<const T*>(p.mask.sinks) + g.sink_base : nullptr;
+  for (int64_t r = 0; r < blk.rows; ++r) {
+    const int64_t row = blk.r0 + r;
+    double top = max[r];
+    double total = sum[r];
+    double o_scale = 1.0;  // O^T is relative to e^max
+    if (sinks != nullptr) {
+      const double sink = sinks[row % g.group];
+      if (sink > -kInf) {
+        const double m = total > 0 ? std::max(top, sink) : sink;
+        o_scale = total > 0 ? std::exp(top - m) : 0.0;
+        total = total * o_scale + std::exp(sink - m);
+        top = m;
+      }
+    }
+    S* out = o_base + g.RowOffset(row);
+    const T inv = total > 0 ? static_cast<T>(o_scale / total) : T(0);
+    for (int64_t d = 0; d < g.head_dim; ++d) Store(out + d, ot[d * kRowTile + r] * inv);
+    lse_base[g.StatOffset(row)] =
+        total > 0 ? static_cast<T>(top + std::log(total)) : -std::numeric_limits<T>::infinity();
   }
 }
 
@@ -524,43 +778,39 @@ template <class T, class S>
 void Forward(const FwdParams& p, const ParallelFor& parallel_for) {
   const Shape shape = MakeShape(p);
   const int64_t d_dim = shape.head_dim;
-  const int64_t row_total = shape.Rows();
-  const int64_t key_tiles = CeilDiv(shape.seqlen_k, kKeyTile);
-  const Schedule sched(shape.batch * shape.heads_kv, CeilDiv(row_total, kRowTile), key_tiles);
+  const Blocks blocks(p.layout, shape.Group(), shape.heads_kv, /*keys=*/false, kRowTile);
+  const Schedule sched(blocks,
+                       [&](const Blocks::Block& b) { return RowBlock(p, shape, b).keys.Count(); });
   const int64_t state_size = SoftmaxState<T>::Size(d_dim);
   // Partial states of split blocks, [outer block][piece]; see the note at the top.
   std::vector<T> partials(sched.splits > 1 ? sched.Tasks() * state_size : 0);
 
   parallel_for(sched.Tasks(), [&](int64_t t) {
-    const Schedule::Task task = sched.Decode(t, shape.heads_kv);
-    const GroupOffsets at(shape, task.b, task.hk);
-    const int64_t r0 = task.block * kRowTile;
-    const int64_t rows = std::min(kRowTile, row_total - r0);
-    const auto [tile_begin, tile_end] =
-        sched.Piece(task.split, 0, CeilDiv(shape.KeyEnd(r0 + rows), kKeyTile));
+    const Schedule::Task task = sched.Decode(t);
+    const RowBlock blk(p, shape, task.block);
+    const auto [t0, t1] = sched.Piece(task.split, blk.keys.Count());
     if (sched.splits > 1) {
       T* state = partials.data() + sched.Slot(task) * state_size;
-      ForwardRows<T, S>(p, shape, at, r0, rows, tile_begin, tile_end, {state, d_dim});
+      ForwardRows<T, S>(p, blk, t0, t1, {state, d_dim});
       return;
     }
     std::vector<T> state(static_cast<size_t>(state_size));
     const SoftmaxState<T> st(state.data(), d_dim);
-    ForwardRows<T, S>(p, shape, at, r0, rows, tile_begin, tile_end, st);
+    ForwardRows<T, S>(p, blk, t0, t1, st);
     double max[kRowTile], sum[kRowTile];
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = 0; r < blk.rows; ++r) {
       max[r] = st.max[r];
       sum[r] = st.sum[r];
     }
-    WriteForward<T, S>(p, shape, at, r0, rows, st.ot, max, sum);
+    WriteForward<T, S>(p, blk, st.ot, max, sum);
   });
   if (sched.splits == 1) return;
 
   // Merge the pieces of each block in piece order: rescale every piece to the overall max.
   parallel_for(sched.Outer(), [&](int64_t outer) {
-    const Schedule::Task task = sched.Decode(outer * sched.splits, shape.heads_kv);
-    const GroupOffsets at(shape, task.b, task.hk);
-    const int64_t r0 = task.block * kRowTile;
-    const int64_t rows = std::min(kRowTile, row_total - r0);
+    const Schedule::Task task = sched.Decode(outer * sched.splits);
+    const RowBlock blk(p, shape, task.block);
+    const int64_t rows = blk.rows;
     T* first = partials.data() + sched.Slot(task) * state_size;
     std::vector<T> ot(static_cast<size_t>(d_dim * kRowTile), T(0));
     double max[kRowTile], sum[kRowTile], weight[kRowTile];
@@ -587,7 +837,7 @@ void Forward(const FwdParams& p, const ParallelFor& parallel_for) {
         }
       }
     }
-    WriteForward<T, S>(p, shape, at, r0, rows, ot.data(), max, sum);
+    WriteForward<T, S>(p, blk, ot.data(), max, sum);
   });
 }
 
@@ -598,73 +848,90 @@ void Forward(const FwdParams& p, const ParallelFor& parallel_for) {
 // P = exp(S - lse) is 0 on fully masked rows, and delta. Lanes [rows, padded) get the same as a
 // fully masked row, and delta = 0.
 template <class T>
-void LoadStats(const BwdParams& p, const Shape& shape, const GroupOffsets& at, int64_t r0,
-               int64_t rows, int64_t padded, T* lse, T* delta) {
+void LoadStats(const BwdParams& p, const SpanGroup& g, int64_t r0, int64_t rows, int64_t padded,
+               T* lse, T* delta) {
   constexpr T kInf = std::numeric_limits<T>::infinity();
-  const T* lse_src = static_cast<const T*>(p.lse) + at.stats;
-  const T* delta_src = static_cast<const T*>(p.delta) + at.stats;
+  const T* lse_src = static_cast<const T*>(p.lse) + g.stat_base;
+  const T* delta_src = static_cast<const T*>(p.delta) + g.stat_base;
   for (int64_t r = 0; r < rows; ++r) {
-    const T l = lse_src[shape.StatOffset(r0 + r)];
+    const T l = lse_src[g.StatOffset(r0 + r)];
     lse[r] = l == -kInf ? kInf : l;
-    delta[r] = delta_src[shape.StatOffset(r0 + r)];
+    delta[r] = delta_src[g.StatOffset(r0 + r)];
   }
   std::fill(lse + rows, lse + padded, kInf);
   std::fill(delta + rows, delta + padded, T(0));
 }
 
-// Rows along the lanes: st = S^T becomes P^T = exp(S^T - lse) and dpt = dP^T becomes
-// dS^T = P^T * (dP^T - delta).
-template <class T>
-void SoftmaxGradTransposed(int64_t keys, int64_t padded, const T* lse, const T* delta, T* st,
-                           T* dpt, int64_t ld) {
+// dS = P (dP - delta), times dtanh = 1 - t^2 with soft-capping, where t = S / c is the tanh the
+// capped score S came from. A masked score (-inf) gets a factor of 0, not -inf, so that its
+// dS is 0 and never NaN.
+template <class T, bool kSoftcap>
+inline Vec<T> ScoreGrad(const Vec<T>& s, const Vec<T>& pv, const Vec<T>& dp, const Vec<T>& dl,
+                        const Vec<T>& inv_cap) {
+  const Vec<T> ds = pv * (dp - dl);
+  if constexpr (!kSoftcap) {
+    return ds;
+  } else {
+    const Vec<T> t = s * inv_cap;
+    return ds * Max(Splat(T(1)) - t * t, Splat(T(0)));
+  }
+}
+
+// Rows along the lanes: st = S^T becomes P^T = exp(S^T - lse) and dpt = dP^T becomes dS^T.
+template <class T, bool kSoftcap>
+void SoftmaxGradTransposed(int64_t keys, int64_t padded, const T* lse, const T* delta, T inv_cap,
+                           T* st, T* dpt, int64_t ld) {
   constexpr int64_t kL = kLanes<T>;
+  const Vec<T> ic = Splat(inv_cap);
   for (int64_t c = 0; c < padded; c += kL) {
     const Vec<T> l = LoadVec(lse + c);
     const Vec<T> dl = LoadVec(delta + c);
     for (int64_t j = 0; j < keys; ++j) {
-      const Vec<T> pv = Exp(LoadVec(st + j * ld + c) - l);
+      const Vec<T> sv = LoadVec(st + j * ld + c);
+      const Vec<T> pv = Exp(sv - l);
       StoreVec(st + j * ld + c, pv);
-      StoreVec(dpt + j * ld + c, pv * (LoadVec(dpt + j * ld + c) - dl));
+      StoreVec(dpt + j * ld + c, ScoreGrad<T, kSoftcap>(sv, pv, LoadVec(dpt + j * ld + c), dl, ic));
     }
   }
 }
 
 // Keys along the lanes: s = S becomes P and dp = dP becomes dS.
-template <class T>
-void SoftmaxGradRows(int64_t rows, int64_t padded, const T* lse, const T* delta, T* s, T* dp,
-                     int64_t ld) {
+template <class T, bool kSoftcap>
+void SoftmaxGradRows(int64_t rows, int64_t padded, const T* lse, const T* delta, T inv_cap, T* s,
+                     T* dp, int64_t ld) {
   constexpr int64_t kL = kLanes<T>;
+  const Vec<T> ic = Splat(inv_cap);
   for (int64_t r = 0; r < rows; ++r) {
     const Vec<T> l = Splat(lse[r]);
     const Vec<T> dl = Splat(delta[r]);
     for (int64_t c = 0; c < padded; c += kL) {
-      const Vec<T> pv = Exp(LoadVec(s + r * ld + c) - l);
+      const Vec<T> sv = LoadVec(s + r * ld + c);
+      const Vec<T> pv = Exp(sv - l);
       StoreVec(s + r * ld + c, pv);
-      StoreVec(dp + r * ld + c, pv * (LoadVec(dp + r * ld + c) - dl));
+      StoreVec(dp + r * ld + c, ScoreGrad<T, kSoftcap>(sv, pv, LoadVec(dp + r * ld + c), dl, ic));
     }
   }
 }
 
-// Pass 1: dK, dV [keys, d_pad] of keys [key0, key0 + keys) from row tiles [tile_begin, tile_end),
-// starting from zero.
+// Pass 1: dK, dV [keys, d_pad] of the block's keys from row tiles [t0, t1) of the rows that see
+// them, starting from zero.
 template <class T, class S>
-void BackwardKeys(const BwdParams& p, const Shape& shape, const GroupOffsets& at, int64_t key0,
-                  int64_t keys, int64_t tile_begin, int64_t tile_end, T* dk, T* dv) {
+void BackwardKeys(const BwdParams& p, const KeyBlock& blk, int64_t t0, int64_t t1, T* dk, T* dv) {
   constexpr int64_t kL = kLanes<T>;
   constexpr int64_t ldk = kKeyTile;
-  const int64_t d_dim = shape.head_dim;
+  const SpanGroup& g = blk.g;
+  const int64_t d_dim = g.head_dim;
   const int64_t d_pad = RoundUp(d_dim, kL);
+  const int64_t key0 = blk.key0;
+  const int64_t keys = blk.keys;
   const int64_t keys_pad = RoundUp(keys, kL);
-  const int64_t row_total = shape.Rows();
-  const int64_t row_begin = tile_begin * kRowTile;
-  const int64_t row_end = std::min(tile_end * kRowTile, row_total);
   std::fill(dk, dk + keys * d_pad, T(0));
   std::fill(dv, dv + keys * d_pad, T(0));
-  if (row_begin >= row_end) return;
+  if (t0 >= t1) return;
 
-  const int64_t kv_ld = shape.heads_kv * d_dim;
-  const S* q = static_cast<const S*>(p.q) + at.rows;
-  const S* dout = static_cast<const S*>(p.dout) + at.rows;
+  const int64_t kv_ld = p.heads_kv * d_dim;
+  const S* q = static_cast<const S*>(p.q) + g.row_base;
+  const S* dout = static_cast<const S*>(p.dout) + g.row_base;
   Workspace<T> ws({d_dim * ldk, d_dim * ldk, kRowTile * d_pad, kRowTile * d_pad, kRowTile * ldk,
                    kRowTile * ldk, kRowTile, kRowTile});
   T* kt = ws.Next();
@@ -675,46 +942,59 @@ void BackwardKeys(const BwdParams& p, const Shape& shape, const GroupOffsets& at
   T* dp = ws.Next();
   T* lse = ws.Next();
   T* delta = ws.Next();
-  const S* k_src = static_cast<const S*>(p.k) + at.keys + key0 * kv_ld;
-  const S* v_src = static_cast<const S*>(p.v) + at.keys + key0 * kv_ld;
+  const S* k_src = static_cast<const S*>(p.k) + g.key_base + key0 * kv_ld;
+  const S* v_src = static_cast<const S*>(p.v) + g.key_base + key0 * kv_ld;
   PackKeysTransposed(k_src, kv_ld, keys, keys_pad, d_dim, kt, ldk);
   PackKeysTransposed(v_src, kv_ld, keys, keys_pad, d_dim, vt, ldk);
   // The Q rows carry the softmax scale: S = (scale Q) K^T and dK = dS^T (scale Q).
   const T scale = static_cast<T>(p.softmax_scale);
+  const T cap = static_cast<T>(p.mask.softcap);
+  int32_t row_ids[kRowTile];
 
-  for (int64_t r0 = row_begin; r0 < row_end; r0 += kRowTile) {
-    const int64_t rows = std::min(kRowTile, row_end - r0);
-    PackRows(q, shape, r0, rows, scale, q_rows, d_pad);
-    PackRows(dout, shape, r0, rows, T(1), do_rows, d_pad);
-    LoadStats(p, shape, at, r0, rows, rows, lse, delta);
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t r0 = blk.rows.Start(t);
+    const int64_t rows = blk.rows.Length(t);
+    const TileMasks masks = g.Classify(r0, rows, key0, keys);
+    if (masks.skip) continue;
+    PackRows(q, g, r0, rows, scale, q_rows, d_pad);
+    PackRows(dout, g, r0, rows, T(1), do_rows, d_pad);
+    LoadStats(p, g, r0, rows, rows, lse, delta);
 
     // Padding keys (zero K and V columns) get values in s and dp that no product reads.
     Gemm<T, Update::kOverwrite>(rows, keys_pad, d_dim, q_rows, d_pad, 1, kt, ldk, s, ldk);
-    if (shape.Straddles(r0, key0, keys)) MaskRows(shape, r0, rows, key0, keys_pad, s, ldk);
+    if (cap > 0) Softcap(cap, rows, keys_pad, s, ldk);
+    if (masks.Any()) {
+      if (masks.segments) RowIds(g, r0, rows, row_ids);
+      MaskRows(g, masks, r0, rows, key0, keys, keys_pad, row_ids, s, ldk);
+    }
     Gemm<T, Update::kOverwrite>(rows, keys_pad, d_dim, do_rows, d_pad, 1, vt, ldk, dp, ldk);
-    SoftmaxGradRows(rows, keys_pad, lse, delta, s, dp, ldk);
+    if (cap > 0) {
+      SoftmaxGradRows<T, true>(rows, keys_pad, lse, delta, T(1) / cap, s, dp, ldk);
+    } else {
+      SoftmaxGradRows<T, false>(rows, keys_pad, lse, delta, T(0), s, dp, ldk);
+    }
     Gemm<T, Update::kAccumulate>(keys, d_pad, rows, s, 1, ldk, do_rows, d_pad, dv, d_pad);
     Gemm<T, Update::kAccumulate>(keys, d_pad, rows, dp, 1, ldk, q_rows, d_pad, dk, d_pad);
   }
 }
 
-// Pass 2: dQ^T [d][r] (without the softmax scale) of rows [r0, r0 + rows) from key tiles
-// [tile_begin, tile_end) (clipped to the keys these rows see), starting from zero.
+// Pass 2: dQ^T [d][r] (without the softmax scale) of the block's rows from key tiles [t0, t1) of
+// the keys they see, starting from zero.
 template <class T, class S>
-void BackwardRows(const BwdParams& p, const Shape& shape, const GroupOffsets& at, int64_t r0,
-                  int64_t rows, int64_t tile_begin, int64_t tile_end, T* dqt) {
+void BackwardRows(const BwdParams& p, const RowBlock& blk, int64_t t0, int64_t t1, T* dqt) {
   constexpr int64_t kL = kLanes<T>;
   constexpr int64_t ld = kRowTile;
-  const int64_t d_dim = shape.head_dim;
+  const SpanGroup& g = blk.g;
+  const int64_t d_dim = g.head_dim;
+  const int64_t r0 = blk.r0;
+  const int64_t rows = blk.rows;
   const int64_t padded = RoundUp(rows, kL);
-  const int64_t key_begin = tile_begin * kKeyTile;
-  const int64_t key_end = std::min(tile_end * kKeyTile, shape.KeyEnd(r0 + rows));
   std::fill(dqt, dqt + d_dim * ld, T(0));
-  if (key_begin >= key_end) return;
+  if (t0 >= t1) return;
 
-  const int64_t kv_ld = shape.heads_kv * d_dim;
-  const S* k_base = static_cast<const S*>(p.k) + at.keys;
-  const S* v_base = static_cast<const S*>(p.v) + at.keys;
+  const int64_t kv_ld = p.heads_kv * d_dim;
+  const S* k_base = static_cast<const S*>(p.k) + g.key_base;
+  const S* v_base = static_cast<const S*>(p.v) + g.key_base;
   Workspace<T> ws({d_dim * ld, d_dim * ld, kKeyTile * ld, kKeyTile * ld, ld, ld, kKeyTile * d_dim,
                    kKeyTile * d_dim});
   T* qt = ws.Next();
@@ -725,20 +1005,31 @@ void BackwardRows(const BwdParams& p, const Shape& shape, const GroupOffsets& at
   T* delta = ws.Next();
   T* k_tile = ws.Next();
   T* v_tile = ws.Next();
-  PackRowsTransposed(static_cast<const S*>(p.q) + at.rows, shape, r0, rows, padded,
+  PackRowsTransposed(static_cast<const S*>(p.q) + g.row_base, g, r0, rows, padded,
                      static_cast<T>(p.softmax_scale), qt, ld);
-  PackRowsTransposed(static_cast<const S*>(p.dout) + at.rows, shape, r0, rows, padded, T(1), dot,
+  PackRowsTransposed(static_cast<const S*>(p.dout) + g.row_base, g, r0, rows, padded, T(1), dot,
                      ld);
-  LoadStats(p, shape, at, r0, rows, padded, lse, delta);
+  LoadStats(p, g, r0, rows, padded, lse, delta);
+  int32_t row_ids[kRowTile];
+  if (g.q_ids != nullptr) RowIds(g, r0, rows, row_ids);
+  const T cap = static_cast<T>(p.mask.softcap);
 
-  for (int64_t key0 = key_begin; key0 < key_end; key0 += kKeyTile) {
-    const int64_t keys = std::min(kKeyTile, key_end - key0);
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t key0 = blk.keys.Start(t);
+    const int64_t keys = blk.keys.Length(t);
+    const TileMasks masks = g.Classify(r0, rows, key0, keys);
+    if (masks.skip) continue;
     const T* kt = CopyKeyTile(k_base + key0 * kv_ld, kv_ld, keys, d_dim, k_tile);
     const T* vt = CopyKeyTile(v_base + key0 * kv_ld, kv_ld, keys, d_dim, v_tile);
     Gemm<T, Update::kOverwrite>(keys, padded, d_dim, kt, d_dim, 1, qt, ld, st, ld);
-    if (shape.Straddles(r0, key0, keys)) MaskTransposed(shape, r0, key0, keys, padded, st, ld);
+    if (cap > 0) Softcap(cap, keys, padded, st, ld);
+    if (masks.Any()) MaskTransposed(g, masks, r0, rows, key0, keys, padded, row_ids, st, ld);
     Gemm<T, Update::kOverwrite>(keys, padded, d_dim, vt, d_dim, 1, dot, ld, dpt, ld);
-    SoftmaxGradTransposed(keys, padded, lse, delta, st, dpt, ld);
+    if (cap > 0) {
+      SoftmaxGradTransposed<T, true>(keys, padded, lse, delta, T(1) / cap, st, dpt, ld);
+    } else {
+      SoftmaxGradTransposed<T, false>(keys, padded, lse, delta, T(0), st, dpt, ld);
+    }
     // dQ^T[d][r] += sum_j K[j][d] dS^T[j][r].
     Gemm<T, Update::kAccumulate>(d_dim, padded, keys, kt, 1, d_dim, dpt, ld, dqt, ld);
   }
@@ -748,12 +1039,12 @@ void BackwardRows(const BwdParams& p, const Shape& shape, const GroupOffsets& at
 // merge rescales instead). compute(task, out) fills out[0, size) with the task's result, the whole
 // block's when unsplit and its piece's otherwise; write(task, total) stores a block's result.
 template <class T, class Compute, class Write>
-void RunSummed(const Schedule& sched, int64_t heads_kv, int64_t size,
-               const ParallelFor& parallel_for, Compute compute, Write write) {
+void RunSummed(const Schedule& sched, int64_t size, const ParallelFor& parallel_for,
+               Compute compute, Write write) {
   // Partial results of split blocks, [outer block][piece]; see the note at the top.
   std::vector<T> partials(sched.splits > 1 ? sched.Tasks() * size : 0);
   parallel_for(sched.Tasks(), [&](int64_t t) {
-    const Schedule::Task task = sched.Decode(t, heads_kv);
+    const Schedule::Task task = sched.Decode(t);
     std::vector<T> own(sched.splits > 1 ? 0 : static_cast<size_t>(size));
     T* out = sched.splits > 1 ? partials.data() + sched.Slot(task) * size : own.data();
     compute(task, out);
@@ -762,7 +1053,7 @@ void RunSummed(const Schedule& sched, int64_t heads_kv, int64_t size,
   if (sched.splits == 1) return;
 
   parallel_for(sched.Outer(), [&](int64_t outer) {
-    const Schedule::Task task = sched.Decode(outer * sched.splits, heads_kv);
+    const Schedule::Task task = sched.Decode(outer * sched.splits);
     T* first = partials.data() + sched.Slot(task) * size;
     // Fixed piece order: float addition is not associative, and gradients must be deterministic.
     for (int64_t s = 1; s < sched.splits; ++s) {
@@ -778,65 +1069,59 @@ void Backward(const BwdParams& p, const ParallelFor& parallel_for) {
   const Shape shape = MakeShape(p);
   const int64_t d_dim = shape.head_dim;
   const int64_t d_pad = RoundUp(d_dim, kLanes<T>);
-  const int64_t heads = shape.batch * shape.heads_kv;
   const int64_t kv_ld = shape.heads_kv * d_dim;
-  const int64_t row_tiles = CeilDiv(shape.Rows(), kRowTile);
-  const int64_t key_tiles = CeilDiv(shape.seqlen_k, kKeyTile);
 
-  // Pass 1: dK and dV, one task per key block (and piece of its row tiles).
+  // Pass 1: dK and dV, one task per key block (and piece of the row tiles that see it). Every
+  // key row of the call is in some block, the keys of the packed padding span included, so every
+  // row of dK and dV is written.
   {
-    const Schedule sched(heads, key_tiles, row_tiles);
+    const Blocks blocks(p.layout, shape.Group(), shape.heads_kv, /*keys=*/true, kKeyTile);
+    const Schedule sched(
+        blocks, [&](const Blocks::Block& b) { return KeyBlock(p, shape, b).rows.Count(); });
     const int64_t grad_size = 2 * kKeyTile * d_pad;  // dK, then dV
     const auto compute = [&](const Schedule::Task& task, T* grads) {
-      const GroupOffsets at(shape, task.b, task.hk);
-      const int64_t key0 = task.block * kKeyTile;
-      const int64_t keys = std::min(kKeyTile, shape.seqlen_k - key0);
-      const auto [tile_begin, tile_end] =
-          sched.Piece(task.split, shape.FirstRow(key0) / kRowTile, row_tiles);
-      BackwardKeys<T, S>(p, shape, at, key0, keys, tile_begin, tile_end, grads,
-                         grads + kKeyTile * d_pad);
+      const KeyBlock blk(p, shape, task.block);
+      const auto [t0, t1] = sched.Piece(task.split, blk.rows.Count());
+      BackwardKeys<T, S>(p, blk, t0, t1, grads, grads + kKeyTile * d_pad);
     };
     const auto write = [&](const Schedule::Task& task, const T* grads) {
+      const KeyBlock blk(p, shape, task.block);
       const T* dk = grads;
       const T* dv = grads + kKeyTile * d_pad;
-      const int64_t key0 = task.block * kKeyTile;
-      const int64_t keys = std::min(kKeyTile, shape.seqlen_k - key0);
-      const int64_t offset = GroupOffsets(shape, task.b, task.hk).keys + key0 * kv_ld;
+      const int64_t offset = blk.g.key_base + blk.key0 * kv_ld;
       S* dk_out = static_cast<S*>(p.dk) + offset;
       S* dv_out = static_cast<S*>(p.dv) + offset;
-      for (int64_t j = 0; j < keys; ++j) {
+      for (int64_t j = 0; j < blk.keys; ++j) {
         for (int64_t d = 0; d < d_dim; ++d) {
           Store(dk_out + j * kv_ld + d, dk[j * d_pad + d]);
           Store(dv_out + j * kv_ld + d, dv[j * d_pad + d]);
         }
       }
     };
-    RunSummed<T>(sched, shape.heads_kv, grad_size, parallel_for, compute, write);
+    RunSummed<T>(sched, grad_size, parallel_for, compute, write);
   }
 
-  // Pass 2: dQ, one task per row block (and piece of its key tiles).
+  // Pass 2: dQ, one task per row block (and piece of the key tiles it sees).
   {
-    const Schedule sched(heads, row_tiles, key_tiles);
+    const Blocks blocks(p.layout, shape.Group(), shape.heads_kv, /*keys=*/false, kRowTile);
+    const Schedule sched(
+        blocks, [&](const Blocks::Block& b) { return RowBlock(p, shape, b).keys.Count(); });
     const int64_t grad_size = d_dim * kRowTile;
     const T scale = static_cast<T>(p.softmax_scale);
     const auto compute = [&](const Schedule::Task& task, T* dqt) {
-      const GroupOffsets at(shape, task.b, task.hk);
-      const int64_t r0 = task.block * kRowTile;
-      const int64_t rows = std::min(kRowTile, shape.Rows() - r0);
-      const auto [tile_begin, tile_end] =
-          sched.Piece(task.split, 0, CeilDiv(shape.KeyEnd(r0 + rows), kKeyTile));
-      BackwardRows<T, S>(p, shape, at, r0, rows, tile_begin, tile_end, dqt);
+      const RowBlock blk(p, shape, task.block);
+      const auto [t0, t1] = sched.Piece(task.split, blk.keys.Count());
+      BackwardRows<T, S>(p, blk, t0, t1, dqt);
     };
     const auto write = [&](const Schedule::Task& task, const T* dqt) {
-      const int64_t r0 = task.block * kRowTile;
-      const int64_t rows = std::min(kRowTile, shape.Rows() - r0);
-      S* dq = static_cast<S*>(p.dq) + GroupOffsets(shape, task.b, task.hk).rows;
-      for (int64_t r = 0; r < rows; ++r) {
-        S* out = dq + shape.RowOffset(r0 + r);
+      const RowBlock blk(p, shape, task.block);
+      S* dq = static_cast<S*>(p.dq) + blk.g.row_base;
+      for (int64_t r = 0; r < blk.rows; ++r) {
+        S* out = dq + blk.g.RowOffset(blk.r0 + r);
         for (int64_t d = 0; d < d_dim; ++d) Store(out + d, dqt[d * kRowTile + r] * scale);
       }
     };
-    RunSummed<T>(sched, shape.heads_kv, grad_size, parallel_for, compute, write);
+    RunSummed<T>(sched, grad_size, parallel_for, compute, write);
   }
 }
 

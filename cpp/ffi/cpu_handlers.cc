@@ -65,9 +65,6 @@ ffi::Error fwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                    ffi::Result<ffi::AnyBuffer> lse, ffi::Dictionary attrs) {
   auto call = decode_fwd(q, k, v, extras, *o, *lse, attrs);
   if (call.has_error()) return call.error();
-  if (!plain_causal_or_full(call->params)) {
-    return ffi::Error(ffi::ErrorCode::kUnimplemented, "jax_flash: CPU masks beyond causal");
-  }
   cpu::attention_fwd(call->params, call->dtype, make_parallel_for(pool));
   return ffi::Error::Success();
 }
@@ -79,9 +76,6 @@ ffi::Error bwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                    ffi::Dictionary attrs) {
   auto call = decode_bwd(q, k, v, dout, lse, delta, extras, *dq, *dk, *dv, attrs);
   if (call.has_error()) return call.error();
-  if (!plain_causal_or_full(call->params)) {
-    return ffi::Error(ffi::ErrorCode::kUnimplemented, "jax_flash: CPU masks beyond causal");
-  }
   cpu::attention_bwd(call->params, call->dtype, make_parallel_for(pool));
   return ffi::Error::Success();
 }
