@@ -85,8 +85,8 @@ def environment(device: jax.Device) -> dict[str, str]:
     command = getattr(sys, "orig_argv", [sys.executable, *sys.argv])
     devices = [d for d in jax.devices() if d.platform == device.platform] or [device]
     env = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": shlex.join(command),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "commit": commit(),
         "device": device_label(device, len(devices)),
         "host": f"{cpu_model()}, {os.cpu_count()} logical CPUs",

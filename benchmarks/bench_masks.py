@@ -17,13 +17,16 @@ the feature:
            query_seq_lengths / key_value_seq_lengths, FlashAttention-3's varlen;
   softcap  softcap=50 on the 4 x 4k cells, against the same cells without it;
   sinks    attention sinks on the 4 x 4k cells, likewise.
-The default GPU run takes about 3 minutes on an H200. Without a GPU it runs small fp32 cells of
-the same kinds against XLA and the float32 reference (about 2-3 minutes on 2 cores).
+The default GPU run is sized for about 3 minutes on an H200; on one, run
+    JAX_FLASH_COMMIT=<commit> python3 benchmarks/bench_masks.py --fa3-dir fa3_carry --time-limit 230
+(or `bash tools/gpu_run.sh build bench-masks`). Without a GPU it runs small fp32 cells of the
+same kinds against XLA and the float32 reference (2-3 minutes on 2 cores).
 
 Rates count visible (query, key) pairs only: FLOPs = 4 * pairs * head_dim * heads forward, 3.5 x
-that forward+backward. FlashAttention-3 is imported at run time from a carry folder
-(--fa3-dir) holding dew_flash_attn/__init__.py and libdew_flash_attn3.so.xz (see
-docs/ANCHORS-style notes in the report); without one its columns are left out with the reason.
+that forward+backward. FlashAttention-3 is imported at run time from a carry folder (--fa3-dir)
+holding dew_flash_attn/__init__.py, with the FlashAttention-2 library's import removed, and
+libdew_flash_attn3.so.xz, as shared/ANCHORS.md describes; without one its columns are left out
+and the report says why.
 
 Writes <out>/masks_<gpu|cpu>[_quick].md (tables) and .csv (one row per implementation and cell),
 and prints one line per measured cell.
@@ -505,7 +508,7 @@ def reference_packed(layout: Layout, mask: Mask) -> Reference:
                     causal=mask.causal,
                     window=mask.window,
                     softcap=mask.softcap,
-                )[0]  # fmt: skip
+                )[0]
                 for a, b in bounds
             ]
         )
@@ -622,13 +625,17 @@ def gpu_problems(setup: Setup) -> list[Problem]:
         *dense.values(),
         dense_problem(setup, "window", long, Mask(True, window=window), _both(dense[True])),
     ]
-    short = {c: feature_problems(setup, 4, tokens // 4, c) for c in causal_flags}
-    problems += [p for c in causal_flags for p in short[c]]
+    # Causal first, then the packed documents, so that a time limit cuts the non-causal 4k group
+    # rather than them.
+    short = {c: feature_problems(setup, 4, tokens // 4, c) for c in (True, False)}
     documents = document_lengths(
         tokens, max(1, round(64 * scale)), round(4096 * scale), DOCUMENT_SEED
     )
     packed = setup.layout(1, tokens, documents)
+    problems += short[True]
     problems.append(packed_problem(setup, packed, Mask(True), _both(short[True][0])))
+    if not setup.quick:
+        problems += short[False]
     return problems
 
 
@@ -655,7 +662,7 @@ def cpu_problems(setup: Setup) -> list[Problem]:
             setup.layout(1, long),
             Mask(True, window=window),
             {False: dense_long, True: dense_mid},
-        ),  # fmt: skip
+        ),
         dense_short,
         packed_problem(
             setup, setup.layout(1, packed_tokens, documents), Mask(True), _both(dense_short)
@@ -800,6 +807,7 @@ def run_cells(
     """Measures every cell with every implementation; fills `done` as it goes."""
     inputs: Inputs | None = None
     layout: Layout | None = None
+    input_error = ""
     try:
         for index, cell in enumerate(cells, 1):
             start = time.perf_counter()
@@ -808,16 +816,25 @@ def run_cells(
                 if inputs is not None:
                     release(list(inputs))
                 inputs, layout = None, problem.layout
-                inputs = make_inputs(layout)
+                try:
+                    inputs = make_inputs(layout)
+                except Exception as exc:  # e.g. out of memory for the inputs themselves
+                    input_error = short_error(exc)
             measured, outputs = {}, {}
             for variant in problem.variants:
+                if inputs is None:
+                    error = input_error
+                    measured[variant.impl] = Result(cell, variant.impl, None, error, 0, 0)
+                    continue
                 measured[variant.impl], outputs[variant.impl] = measure(
                     cell, variant, inputs, setup, device
                 )
             note = ""
             order = problem.check_order
             before = order[: order.index("reference")] if "reference" in order else order
-            if not any(outputs.get(i) for i in before) and problem.reference is not None:
+            if inputs is None:
+                note = "no inputs"
+            elif not any(outputs.get(i) for i in before) and problem.reference is not None:
                 leaves, why = run_reference(cell, problem.reference, inputs, device)
                 if leaves:
                     view = problem.reference.view or list
@@ -936,8 +953,8 @@ def method_lines(setup: Setup, problems: Sequence[Problem]) -> list[str]:
         f"jax_flash.attention_varlen; {base} = jax.nn.dot_product_attention(..., "
         f'implementation="{setup.baseline}") with is_causal, local_window_size and '
         "query_seq_lengths / key_value_seq_lengths; FA3 = dew_flash_attn.flash_mha / "
-        "flash_mha_varlen (is_causal, window_size, sinks; it has no softcap). Same process, "
-        "same inputs.",
+        "flash_mha_varlen (is_causal, window_size, sinks; it has no softcap; sm90 GPUs only). "
+        "Same process, same inputs.",
         "Timing: each function is jitted and compiled once per cell, warmed up with 2 calls, "
         f"then timed as {setup.repeats} repeats of {iters} back-to-back calls; the median time "
         "per call is reported. forward+backward: one jitted function returning out and the "
@@ -971,8 +988,8 @@ def method_lines(setup: Setup, problems: Sequence[Problem]) -> list[str]:
             )
     tolerances = ", ".join(f"{k} {v:g}" for k, v in CHECK_TOLERANCE.items())
     lines.append(
-        f"Check: one call's outputs of each implementation are compared with {base}'s (cuDNN's "
-        "padded rows are dropped), else FA3's, else a float32 jax_flash.reference run (in full "
+        f"Check: one call's outputs of each implementation are compared with {base}'s (its "
+        "padded rows dropped), else FA3's, else a float32 jax_flash.reference run (in full "
         f"where it fits, else on the last {TAIL_ROWS} rows of a causal cell); for softcap and "
         f"sinks always that reference. A relative L2 error above {tolerances} marks the "
         "figure 'WRONG?'. The check cannot tell a window one key wider from the right one."
@@ -981,16 +998,21 @@ def method_lines(setup: Setup, problems: Sequence[Problem]) -> list[str]:
     return lines
 
 
+PADDING_NOTE = (
+    "Spanned: the pairs of the layout each implementation is given (the padded batch's causal "
+    "triangles; segment_ids' one causal row). Work done: the time here times the pairs per "
+    "second the same implementation reaches on the dense causal cell. Padding skipped = "
+    "(spanned - work) / (spanned - visible): an estimate, which assumes that cell's speed per "
+    "pair."
+)
+
+
 def padding_rows(
     problem: Problem,
     done: Mapping[tuple[Problem, bool], dict[str, Result]],
     backward: bool,
 ) -> tuple[list[str], list[list[str]]]:
-    """How much of the padding each packed implementation avoids. Each layout spans some pairs
-    (cuDNN's padded batch its documents' padded causal triangles, segment_ids' one row its whole
-    causal triangle); visible / spanned is the useful fraction. The time each took, at its own
-    dense causal rate of the relative cell, is the work of some number of pairs: the padding it
-    skipped is estimated from where that lands between the visible and the spanned pairs."""
+    """How much of the padding each packed implementation avoids (PADDING_NOTE)."""
     layout, mask = problem.layout, problem.mask
     visible = problem.pairs
     spanned = {
@@ -1092,8 +1114,11 @@ def markdown_report(
         for cell in cells:
             if cell.problem.section == section and cell.problem.layout.packed:
                 header, rows = padding_rows(cell.problem, done, cell.backward)
+                if not rows:
+                    continue
                 lines += ["", f"Padding, {cell.direction} ({cell.problem.title}):", ""]
                 lines += md_table(header, rows)
+                lines += ["", PADDING_NOTE]
     return "\n".join(lines) + "\n"
 
 
@@ -1108,6 +1133,8 @@ def closing_lines(
         for cell in cells:
             if cell.problem.section == section and cell.problem.layout.packed:
                 header, rows = padding_rows(cell.problem, done, cell.backward)
+                if not rows:
+                    continue
                 lines += [f"padding, {cell.direction}:", *text_table(header, rows)]
     return lines
 
