@@ -80,6 +80,18 @@ def commit() -> str:
     return head + (" + uncommitted changes" if dirty else "")
 
 
+def busy_host() -> str:
+    """A warning when other work keeps the host's cores busy ('' when it does not): CPU figures
+    then move by a factor of two from run to run. Call it before the run adds its own load."""
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load <= cores / 2:
+        return ""
+    return (
+        f"the host was busy (load average {load:.1f} on {cores} logical CPUs): CPU figures and "
+        "their ratios are unreliable; rerun on an idle machine before quoting them"
+    )
+
+
 def environment(device: jax.Device) -> dict[str, str]:
     """What a reader needs to reproduce or compare the numbers."""
     command = getattr(sys, "orig_argv", [sys.executable, *sys.argv])

@@ -53,7 +53,7 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _env import commit, environment, resolve_device
+from _env import busy_host, commit, environment, resolve_device
 from _report import (
     CHECK_TOLERANCE,
     DTYPES,
@@ -1275,6 +1275,9 @@ def run(
     env["fa3"] = fa3_status
     problems = list(dict.fromkeys(c.problem for c in cells))
     method = method_lines(setup, problems)
+    busy = busy_host() if device.platform == "cpu" else ""
+    if busy:
+        method.append(f"**Warning: {busy}.**")
     print(f"jax_flash masks benchmark on {env['device']}")
     for key, value in env.items():
         print(f"  {key}: {value}")
