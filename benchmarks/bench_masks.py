@@ -1098,43 +1098,33 @@ def section_rows(
     return header, rows
 
 
-def markdown_report(
-    env: Mapping[str, str],
-    method: Sequence[str],
+def section_tables(
     cells: Sequence[Cell],
     done: Mapping[tuple[Problem, bool], dict[str, Result]],
     unit: Unit,
-    interrupted: bool,
-) -> str:
-    lines = markdown_head("jax_flash masks benchmark", env, method, interrupted)
-    for section in dict.fromkeys(c.problem.section for c in cells):
-        lines += ["", f"## {section}: {SECTIONS[section]} ({unit.name} on visible pairs)", ""]
-        header, rows = section_rows(section, cells, done, unit, markdown=True)
-        lines += md_table(header, [[md_escape(v) for v in row] for row in rows])
-        for cell in cells:
-            if cell.problem.section == section and cell.problem.layout.packed:
-                header, rows = padding_rows(cell.problem, done, cell.backward)
-                if not rows:
-                    continue
-                lines += ["", f"Padding, {cell.direction} ({cell.problem.title}):", ""]
-                lines += md_table(header, rows)
-                lines += ["", PADDING_NOTE]
-    return "\n".join(lines) + "\n"
-
-
-def closing_lines(
-    cells: Sequence[Cell], done: Mapping[tuple[Problem, bool], dict[str, Result]], unit: Unit
+    markdown: bool,
 ) -> list[str]:
+    """Every section's table (and the packed cells' padding tables), as markdown or as aligned
+    text for the console."""
     lines = []
     for section in dict.fromkeys(c.problem.section for c in cells):
-        lines += ["", f"{section}: {SECTIONS[section]} ({unit.name} on visible pairs)"]
-        header, rows = section_rows(section, cells, done, unit, markdown=False)
-        lines += text_table(header, rows)
+        title = f"{section}: {SECTIONS[section]} ({unit.name} on visible pairs)"
+        header, rows = section_rows(section, cells, done, unit, markdown)
+        if markdown:
+            lines += ["", f"## {title}", ""]
+            lines += md_table(header, [[md_escape(v) for v in row] for row in rows])
+        else:
+            lines += ["", title, *text_table(header, rows)]
         for cell in cells:
-            if cell.problem.section == section and cell.problem.layout.packed:
-                header, rows = padding_rows(cell.problem, done, cell.backward)
-                if not rows:
-                    continue
+            if cell.problem.section != section or not cell.problem.layout.packed:
+                continue
+            header, rows = padding_rows(cell.problem, done, cell.backward)
+            if not rows:
+                continue
+            if markdown:
+                lines += ["", f"Padding, {cell.direction} ({cell.problem.title}):", ""]
+                lines += [*md_table(header, rows), "", PADDING_NOTE]
+            else:
                 lines += [f"padding, {cell.direction}:", *text_table(header, rows)]
     return lines
 
@@ -1297,9 +1287,11 @@ def run(
         interrupted = True
     finally:
         sink.close()
-    paths[".md"].write_text(markdown_report(env, method, cells, done, unit, interrupted))
+    report = markdown_head("jax_flash masks benchmark", env, method, interrupted)
+    report += section_tables(cells, done, unit, markdown=True)
+    paths[".md"].write_text("\n".join(report) + "\n")
     print(f"\nwrote {paths['.md']}, {paths['.csv']}")
-    print("\n".join(closing_lines(cells, done, unit)))
+    print("\n".join(section_tables(cells, done, unit, markdown=False)))
     results = [r for measured in done.values() for r in measured.values()]
     failed = sum(1 for r in results if r.error)
     suspect = sum(1 for r in results if r.suspect)
