@@ -337,14 +337,21 @@ def _in_float32(prepare: Callable[[Inputs], Prepared]) -> Callable[[Inputs], Pre
     return prepare32
 
 
-def flash_dense(mask: Mask) -> Variant:
+def _with_mask(attention: Callable[..., jax.Array], mask: Mask) -> Callable[..., jax.Array]:
+    """attend(q, k, v[, sinks]) through jax_flash.attention or the reference, which share one
+    signature."""
+
     def attend(q, k, v, *sinks):
-        return jax_flash.attention(
+        return attention(
             q, k, v, causal=mask.causal, window=mask.window, softcap=mask.softcap,
             sinks=sinks[0] if sinks else None,
         )  # fmt: skip
 
-    return Variant("jax_flash", attend, _as_is(mask))
+    return attend
+
+
+def flash_dense(mask: Mask) -> Variant:
+    return Variant("jax_flash", _with_mask(jax_flash.attention, mask), _as_is(mask))
 
 
 def jax_nn_dense(implementation: str, mask: Mask) -> Variant:
@@ -378,13 +385,8 @@ def _reference_call(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
 
 
 def reference_dense(mask: Mask) -> Variant:
-    def attend(q, k, v, *sinks):
-        return reference.attention_reference(
-            q, k, v, causal=mask.causal, window=mask.window, softcap=mask.softcap,
-            sinks=sinks[0] if sinks else None,
-        )  # fmt: skip
-
-    return Variant("reference", _reference_call(attend), _in_float32(_as_is(mask)))
+    attend = _reference_call(_with_mask(reference.attention_reference, mask))
+    return Variant("reference", attend, _in_float32(_as_is(mask)))
 
 
 def tail_reference(layout: Layout, mask: Mask) -> Reference:
