@@ -1,17 +1,44 @@
-"""What bench_attention.py writes: the markdown report, the CSV files, the plot, console tables."""
+"""What the benchmarks write: results and their cross-check, the markdown report, the CSV files,
+the plot, console tables."""
 
 from __future__ import annotations
 
 import csv
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import ClassVar, Protocol, TextIO
 
+import jax
+import jax.numpy as jnp
 from _timing import format_bytes
 
-LABELS = {"jax_flash": "jax_flash", "cudnn": "cuDNN", "xla": "XLA"}
-COLORS = {"jax_flash": "tab:red", "cudnn": "tab:blue", "xla": "tab:gray"}
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
+LABELS = {
+    "jax_flash": "jax_flash",
+    "jax_flash_segments": "jax_flash segment_ids",
+    "cudnn": "cuDNN",
+    "xla": "XLA",
+    "fa3": "FA3",
+    "reference": "reference",
+}
+COLORS = {"jax_flash": "tab:red", "cudnn": "tab:blue", "xla": "tab:gray", "fa3": "tab:green"}
+
+
+class MeasuredCell(Protocol):
+    """What a Result needs of the problem it measured."""
+
+    @property
+    def dtype(self) -> str: ...  # "bf16", "fp16", "fp32": the check tolerance
+
+    @property
+    def backward(self) -> bool: ...
+
+    def flops(self) -> float: ...
+
+    def label(self) -> str: ...
+
+    def csv_values(self) -> Sequence[object]: ...  # the columns that name the cell in a CSV row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +52,27 @@ class Cell:
     backward: bool
     batch: int
     heads: int
+
+    CSV_FIELDS: ClassVar[tuple[str, ...]] = (
+        "dtype",
+        "direction",
+        "head_dim",
+        "causal",
+        "seqlen",
+        "batch",
+        "heads",
+    )
+
+    def csv_values(self) -> list[object]:
+        return [
+            self.dtype,
+            self.direction,
+            self.head_dim,
+            int(self.causal),
+            self.seqlen,
+            self.batch,
+            self.heads,
+        ]
 
     @property
     def direction(self) -> str:
@@ -61,7 +109,7 @@ CHECK_TOLERANCE = {"bf16": 5e-2, "fp16": 2e-2, "fp32": 1e-2}
 class Result:
     """One implementation on one cell: median seconds per call, or the reason it failed."""
 
-    cell: Cell
+    cell: MeasuredCell
     impl: str
     seconds: float | None
     error: str | None
@@ -135,11 +183,40 @@ def ratio(results: dict[str, Result], impl: str, baseline: str | None) -> float 
     return base / mine
 
 
-def by_cell(results: Iterable[Result]) -> dict[Cell, dict[str, Result]]:
-    table: dict[Cell, dict[str, Result]] = {}
+def by_cell(results: Iterable[Result]) -> dict[MeasuredCell, dict[str, Result]]:
+    table: dict[MeasuredCell, dict[str, Result]] = {}
     for result in results:
         table.setdefault(result.cell, {})[result.impl] = result
     return table
+
+
+@jax.jit
+def _relative_l2(x: jax.Array, ref: jax.Array) -> jax.Array:
+    x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
+    return jnp.linalg.norm(x - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30)
+
+
+def cross_check(
+    measured: dict[str, Result], outputs: Mapping[str, Sequence[jax.Array]], order: Sequence[str]
+) -> dict[str, Result]:
+    """Adds each implementation's relative L2 error against the first of `order` that ran.
+
+    A kernel that skips work (or returns garbage) can post any speed; comparing its outputs
+    (out, and dq, dk, dv for forward+backward) with another implementation's exposes that.
+    `outputs` may hold a reference that was run but not timed (it is not in `measured`).
+    """
+    ref = next((impl for impl in order if outputs.get(impl)), None)
+    if ref is None:
+        return measured
+    checked = dict(measured)
+    for impl, leaves in outputs.items():
+        if impl == ref or not leaves or impl not in measured:
+            continue
+        errors = [float(_relative_l2(x, r)) for x, r in zip(leaves, outputs[ref], strict=True)]
+        # max() would skip a NaN; any NaN must surface as NaN.
+        worst = next((e for e in errors if e != e), max(errors))
+        checked[impl] = dataclasses.replace(measured[impl], rel_err=worst, checked_against=ref)
+    return checked
 
 
 def suspect_note(result: Result) -> str:
@@ -151,13 +228,15 @@ def suspect_note(result: Result) -> str:
 def progress_line(
     index: int,
     total: int,
-    cell: Cell,
+    cell: MeasuredCell,
     results: dict[str, Result],
     baseline: str | None,
     unit: Unit,
     elapsed: float,
+    extra: str = "",
 ) -> str:
-    """One line per measured cell, all implementations side by side."""
+    """One line per measured cell, all implementations side by side; `extra` goes before the
+    elapsed time."""
     width = len(str(total))
     head = f"[{index:>{width}}/{total}] {cell.label()}"
     parts = []
@@ -172,28 +251,29 @@ def progress_line(
     if "jax_flash" in results and baseline and baseline != "jax_flash":
         r = ratio(results, "jax_flash", baseline)
         tail = f" | jax_flash/{LABELS[baseline]} {'-' if r is None else f'{r:.2f}'}"
-    return f"{head} | {unit.name}: {' | '.join(parts)}{tail} | {elapsed:.1f} s"
+    extra = f" | {extra}" if extra else ""
+    return f"{head} | {unit.name}: {' | '.join(parts)}{tail}{extra} | {elapsed:.1f} s"
 
 
-def _md_escape(text: str) -> str:
+def md_escape(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def _md_value(result: Result | None, unit: Unit) -> str:
+def md_value(result: Result | None, unit: Unit) -> str:
     if result is None:
         return "-"
     if result.error:
-        return _md_escape(f"error: {result.error}")
+        return md_escape(f"error: {result.error}")
     return format_rate(result.rate(unit.scale)) + suspect_note(result)
 
 
-def _md_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+def md_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return lines
 
 
-def _text_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+def text_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     """The same table as aligned text for the console: columns right-aligned, two spaces apart."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     return ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in [header, *rows]]
@@ -201,6 +281,21 @@ def _text_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[st
 
 def _sections(cells: Sequence[Cell]) -> list[tuple[str, bool]]:
     return list(dict.fromkeys((cell.dtype, cell.backward) for cell in cells))
+
+
+def markdown_head(
+    title: str, env: Mapping[str, str], method: Sequence[str], interrupted: bool
+) -> list[str]:
+    """Title, the environment (command line first among the versions), the method bullets."""
+    lines = [f"# {title}: {env.get('device', '')}", ""]
+    lines += [
+        f"- {key}: `{value}`" if key == "command" else f"- {key}: {value}"
+        for key, value in env.items()
+    ]
+    lines += ["", "## Method", ""] + [f"- {line}" for line in method]
+    if interrupted:
+        lines += ["", "**Interrupted: the tables below hold only the cells measured before.**"]
+    return lines
 
 
 def markdown_report(
@@ -216,15 +311,9 @@ def markdown_report(
     interrupted: bool,
 ) -> str:
     table = by_cell(results)
-    title = "jax_flash attention benchmark"
-    lines = [f"# {title}: {env.get('device', '')}", ""]
-    lines += [
-        f"- {key}: `{value}`" if key == "command" else f"- {key}: {value}"
-        for key, value in env.items()
-    ]
-    lines += ["", "## Method", ""] + [f"- {line}" for line in method] + [f"- {FLOP_FORMULA}"]
-    if interrupted:
-        lines += ["", "**Interrupted: the tables below hold only the cells measured before.**"]
+    lines = markdown_head(
+        "jax_flash attention benchmark", env, [*method, FLOP_FORMULA], interrupted
+    )
     others = [impl for impl in impls if impl != baseline and baseline is not None]
     for dtype, backward in _sections(cells):
         direction = "forward+backward" if backward else "forward"
@@ -241,12 +330,12 @@ def markdown_report(
             measured = table.get(cell, {})
             row = [str(cell.head_dim), "yes" if cell.causal else "no", seqlen_label(cell.seqlen)]
             row.append(f"{cell.batch} × {cell.heads}")
-            row += [_md_value(measured.get(impl), unit) for impl in impls]
+            row += [md_value(measured.get(impl), unit) for impl in impls]
             for impl in others:
                 r = ratio(measured, impl, baseline)
                 row.append("-" if r is None else f"{r:.2f}")
             rows.append(row)
-        lines += _md_table(header, rows)
+        lines += md_table(header, rows)
     if memory:
         lines += ["", f"## Memory: {memory_title}", ""]
         lines += memory_lines(memory, markdown=True)
@@ -279,8 +368,8 @@ def memory_lines(memory: Sequence[MemoryResult], *, markdown: bool) -> list[str]
                 row.append(format_bytes(m.temp_bytes))
         rows.append(row)
     if markdown:
-        return _md_table(header, [[_md_escape(v) for v in row] for row in rows])
-    return _text_table(header, rows)
+        return md_table(header, [[md_escape(v) for v in row] for row in rows])
+    return text_table(header, rows)
 
 
 def summary_lines(
@@ -310,7 +399,7 @@ def summary_lines(
                 "" if measured is None else _summary_value(measured, subject, baseline, unit)
             )
         rows.append(row)
-    text = _text_table(header, rows)
+    text = text_table(header, rows)
     if base:
         title = f"{name} {unit.name} and ratio to {base} ({name}/{base}; >1 = {name} faster)"
         legend = f"each entry: {name} {unit.name}, then {name}/{base} ('--': no {base} figure); "
@@ -337,73 +426,78 @@ def _summary_value(
     return f"{rate} {'--' if r is None else f'{r:.2f}'}"
 
 
+RESULT_FIELDS = (
+    "impl",
+    "flops",
+    "median_ms",
+    "rate",  # named after the unit, e.g. tflop_per_s
+    "ratio_to_baseline",  # named after the baseline, e.g. ratio_to_cudnn
+    "iters",
+    "repeats",
+    "per_repeat_ms",
+    "rel_err",
+    "checked_against",
+    "error",
+)
+
+
+def result_fields(unit: Unit, baseline: str | None) -> list[str]:
+    """RESULT_FIELDS as CSV column names for this unit and baseline."""
+    names = {"rate": unit.column}
+    if baseline:
+        names["ratio_to_baseline"] = f"ratio_to_{baseline}"
+    return [names.get(field, field) for field in RESULT_FIELDS]
+
+
+def result_values(result: Result, unit: Unit, ratio_to_baseline: float | None) -> list[object]:
+    """One result's RESULT_FIELDS values."""
+    rate = result.rate(unit.scale)
+    return [
+        result.impl,
+        f"{result.cell.flops():.6g}",
+        "" if result.seconds is None else f"{result.seconds * 1e3:.4f}",
+        "" if rate is None else f"{rate:.2f}",
+        "" if ratio_to_baseline is None else f"{ratio_to_baseline:.4f}",
+        result.iters,
+        result.repeats,
+        " ".join(f"{t * 1e3:.4f}" for t in result.per_repeat),
+        "" if result.rel_err is None else f"{result.rel_err:.3g}",
+        result.checked_against or "",
+        result.error or "",
+    ]
+
+
+def csv_rows(measured: dict[str, Result], baseline: str | None, unit: Unit) -> list[list[object]]:
+    """One row per implementation of one measured cell: the cell's csv_values, then the result."""
+    return [
+        [*result.cell.csv_values(), *result_values(result, unit, ratio(measured, impl, baseline))]
+        for impl, result in measured.items()
+    ]
+
+
 class CsvSink:
-    """Appends one row per implementation and cell as soon as the cell is measured, so a run cut
-    short by a time limit still leaves its numbers on disk."""
+    """Writes rows as soon as a cell is measured, so a run cut short by a time limit still leaves
+    its numbers on disk. The environment and notes lead as '#' lines, which
+    pandas.read_csv(path, comment="#") skips."""
 
-    FIELDS = (
-        "dtype",
-        "direction",
-        "head_dim",
-        "causal",
-        "seqlen",
-        "batch",
-        "heads",
-        "impl",
-        "flops",
-        "median_ms",
-        "rate",
-        "ratio_to_baseline",
-        "iters",
-        "repeats",
-        "per_repeat_ms",
-        "rel_err",
-        "checked_against",
-        "error",
-    )
-
-    def __init__(self, path: Path, env: dict[str, str], baseline: str | None, unit: Unit) -> None:
+    def __init__(
+        self,
+        path: Path,
+        env: Mapping[str, str],
+        fields: Sequence[str],
+        notes: Sequence[str] = (FLOP_FORMULA,),
+    ) -> None:
         self._file: TextIO = path.open("w", newline="")
-        self._baseline = baseline
-        self._unit = unit
-        # Environment as leading '#' lines: pandas.read_csv(path, comment="#") skips them.
         for key, value in env.items():
             self._file.write(f"# {key}: {value}\n")
-        self._file.write(f"# {FLOP_FORMULA}\n")
-        fields = [unit.column if f == "rate" else f for f in self.FIELDS]
-        if baseline:
-            fields = [f"ratio_to_{baseline}" if f == "ratio_to_baseline" else f for f in fields]
+        for note in notes:
+            self._file.write(f"# {note}\n")
         self._writer = csv.writer(self._file)
         self._writer.writerow(fields)
         self._file.flush()
 
-    def add(self, measured: dict[str, Result]) -> None:
-        for impl, result in measured.items():
-            cell = result.cell
-            rate = result.rate(self._unit.scale)
-            r = ratio(measured, impl, self._baseline)
-            self._writer.writerow(
-                [
-                    cell.dtype,
-                    cell.direction,
-                    cell.head_dim,
-                    int(cell.causal),
-                    cell.seqlen,
-                    cell.batch,
-                    cell.heads,
-                    impl,
-                    f"{cell.flops():.6g}",
-                    "" if result.seconds is None else f"{result.seconds * 1e3:.4f}",
-                    "" if rate is None else f"{rate:.2f}",
-                    "" if r is None else f"{r:.4f}",
-                    result.iters,
-                    result.repeats,
-                    " ".join(f"{t * 1e3:.4f}" for t in result.per_repeat),
-                    "" if result.rel_err is None else f"{result.rel_err:.3g}",
-                    result.checked_against or "",
-                    result.error or "",
-                ]
-            )
+    def add(self, rows: Iterable[Sequence[object]]) -> None:
+        self._writer.writerows(rows)
         self._file.flush()
 
     def close(self) -> None:

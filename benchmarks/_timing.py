@@ -1,13 +1,17 @@
-"""Timing and memory helpers for the benchmarks: warm-up, back-to-back timing, compiled memory."""
+"""Timing and memory helpers for the benchmarks: warm-up, back-to-back timing, compiled memory,
+and the stop signals that end a run early but still let it write what it measured."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import os
 import re
+import signal
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -116,6 +120,60 @@ def time_compiled(
         per_call.append((time.perf_counter() - start) / iters)
         del out
     return per_call, iters
+
+
+def run_timed(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    device: jax.Device,
+    *,
+    iters: int | None,
+    repeats: int,
+) -> tuple[list[float], int, list[jax.Array]]:
+    """Compile fn for args, refuse it if it would not fit, time it (time_compiled), and return
+    (seconds per call per repeat, calls per repeat, the leaves of one more call's outputs)."""
+    compiled = compile_jit(fn, args)
+    check_fits(compiled, device)
+    per_call, iters = time_compiled(compiled, args, iters=iters, repeats=repeats)
+    return per_call, iters, jax.tree_util.tree_leaves(compiled(*args))
+
+
+def release(arrays: Sequence[jax.Array]) -> None:
+    """Free device memory now rather than whenever Python collects: the next shape may need it."""
+    for array in arrays:
+        array.delete()
+    gc.collect()
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGALRM)
+
+
+@contextlib.contextmanager
+def stop_signals(time_limit: int | None) -> Iterator[None]:
+    """Inside the block a SIGTERM (a job's time limit), or the SIGALRM that time_limit seconds
+    set, raises KeyboardInterrupt, so that the cells measured so far still get their report. A
+    second signal acts as usual."""
+
+    def handler(signum: int, frame: Any) -> None:
+        for stop in _STOP_SIGNALS:
+            signal.signal(stop, signal.SIG_DFL)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for stop in _STOP_SIGNALS:
+        signal.signal(stop, handler)
+    if time_limit:
+        signal.alarm(time_limit)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        for stop in _STOP_SIGNALS:
+            signal.signal(stop, signal.SIG_DFL)
+
+
+def stop_reason(stop: KeyboardInterrupt) -> str:
+    """Which stop a KeyboardInterrupt from stop_signals (or the keyboard) was."""
+    return {"SIGALRM": "--time-limit reached", "SIGTERM": "SIGTERM"}.get(str(stop), "Ctrl-C")
 
 
 def median(values: Sequence[float]) -> float:

@@ -18,15 +18,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import gc
-import importlib.metadata
 import inspect
 import itertools
-import os
-import platform
-import shlex
-import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -34,9 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+from _env import environment, resolve_device
 from _report import (
     CHECK_TOLERANCE,
+    DTYPES,
     FLOP_FORMULA,
     LABELS,
     Cell,
@@ -44,27 +38,31 @@ from _report import (
     MemoryResult,
     Result,
     Unit,
+    cross_check,
+    csv_rows,
     markdown_report,
     memory_lines,
     plot,
     progress_line,
+    result_fields,
     seqlen_label,
     summary_lines,
     write_memory_csv,
 )
 from _timing import (
-    check_fits,
     compile_jit,
     format_bytes,
     median,
+    release,
+    run_timed,
     short_error,
+    stop_reason,
+    stop_signals,
     temp_bytes,
-    time_compiled,
 )
 
 import jax_flash
 
-DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32"}
 IMPL_NAMES = ("jax_flash", "cudnn", "xla")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -241,49 +239,13 @@ def measure(
     fn = benchmark_fn(impl, cell.causal, cell.backward)
     args = list(inputs[:4] if cell.backward else inputs[:3])
     try:
-        compiled = compile_jit(fn, args)
-        check_fits(compiled, device)
-        per_call, iters = time_compiled(compiled, args, iters=grid.iters, repeats=grid.repeats)
-        outputs = jax.tree_util.tree_leaves(compiled(*args))
+        per_call, iters, outputs = run_timed(
+            fn, args, device, iters=grid.iters, repeats=grid.repeats
+        )
     except Exception as exc:  # any failure becomes this cell's 'error: ...'; the run goes on
         return Result(cell, impl, None, short_error(exc), 0, grid.repeats), []
     result = Result(cell, impl, median(per_call), None, iters, grid.repeats, tuple(per_call))
     return result, outputs
-
-
-@jax.jit
-def _relative_l2(x: jax.Array, ref: jax.Array) -> jax.Array:
-    x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
-    return jnp.linalg.norm(x - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30)
-
-
-def cross_check(
-    measured: dict[str, Result], outputs: dict[str, list[jax.Array]], order: Sequence[str]
-) -> dict[str, Result]:
-    """Adds each implementation's relative L2 error against the first of `order` that ran.
-
-    A kernel that skips work (or returns garbage) can post any speed; comparing its outputs
-    (out, and dq, dk, dv for forward+backward) with another implementation's exposes that.
-    """
-    ref = next((impl for impl in order if outputs.get(impl)), None)
-    if ref is None:
-        return measured
-    checked = dict(measured)
-    for impl, leaves in outputs.items():
-        if impl == ref or not leaves:
-            continue
-        errors = [float(_relative_l2(x, r)) for x, r in zip(leaves, outputs[ref], strict=True)]
-        # max() would skip a NaN; any NaN must surface as NaN.
-        worst = next((e for e in errors if e != e), max(errors))
-        checked[impl] = dataclasses.replace(measured[impl], rel_err=worst, checked_against=ref)
-    return checked
-
-
-def _release(arrays: Sequence[jax.Array]) -> None:
-    # Free device memory now rather than whenever Python collects: the next shape may need it.
-    for array in arrays:
-        array.delete()
-    gc.collect()
 
 
 def run_grid(
@@ -320,16 +282,16 @@ def run_grid(
                     for impl in grid.impls:
                         measured[impl], outputs[impl] = measure(cell, impl, inputs, grid, device)
                     measured = cross_check(measured, outputs, order)
-                    _release([x for leaves in outputs.values() for x in leaves])
+                    release([x for leaves in outputs.values() for x in leaves])
                 results.extend(measured.values())
-                sink.add(measured)
+                sink.add(csv_rows(measured, grid.baseline, unit))
                 elapsed = time.perf_counter() - start
                 line = progress_line(
                     index, len(cells), cell, measured, grid.baseline, unit, elapsed
                 )
                 print(line, flush=True)
         finally:
-            _release(inputs)
+            release(inputs)
 
 
 def run_memory(grid: Grid, device: jax.Device, results: list[MemoryResult]) -> None:
@@ -352,71 +314,6 @@ def run_memory(grid: Grid, device: jax.Device, results: list[MemoryResult]) -> N
             value = f"error: {entry.error[:40]}" if entry.error else format_bytes(entry.temp_bytes)
             row.append(f"{LABELS[impl]} {'fwd+bwd' if backward else 'fwd'} {value}")
         print(f"[memory] S={seqlen_label(seqlen):<4} " + " | ".join(row), flush=True)
-
-
-def _package_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _cudnn_version() -> str | None:
-    # jax has no public query for the cuDNN it loaded; this private module is the one its own
-    # version checks use, so failure here only drops a line from the report.
-    try:
-        from jax._src.lib import cuda_versions
-
-        number = int(cuda_versions.cudnn_get_version())
-    except Exception:
-        return None
-    if number >= 90000:  # cuDNN 9 encodes major*10000 + minor*100 + patch
-        return f"{number // 10000}.{number // 100 % 100}.{number % 100}"
-    return f"{number // 1000}.{number // 100 % 10}.{number % 100}"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _device_label(device: jax.Device, visible: int) -> str:
-    if device.platform == "cpu":
-        # jax calls every CPU "cpu"; the model and core count are what the numbers depend on.
-        return f"CPU: {_cpu_model()}, {os.cpu_count()} logical CPUs"
-    return f"{device.device_kind} ({device.platform} device {device.id}, {visible} visible)"
-
-
-def environment(device: jax.Device) -> dict[str, str]:
-    """What a reader needs to reproduce or compare the numbers."""
-    command = getattr(sys, "orig_argv", [sys.executable, *sys.argv])
-    devices = [d for d in jax.devices() if d.platform == device.platform] or [device]
-    env = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": shlex.join(command),
-        "device": _device_label(device, len(devices)),
-        "host": f"{_cpu_model()}, {os.cpu_count()} logical CPUs",
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "jaxlib": _package_version("jaxlib") or "unknown",
-        "jax_flash": getattr(jax_flash, "__version__", "unknown"),
-    }
-    for plugin in ("jax-cuda13-plugin", "jax-cuda12-plugin"):
-        version = _package_version(plugin)
-        if version:
-            env[plugin] = version
-    if device.platform != "cpu":
-        env["cudnn"] = _cudnn_version() or "unknown"
-    flags = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(("XLA_", "JAX_"))]
-    if flags:
-        env["environment variables"] = " ".join(flags)
-    return env
 
 
 def method_lines(grid: Grid) -> list[str]:
@@ -607,21 +504,6 @@ def _check_grid(grid: Grid, error: Callable[[str], Any]) -> None:
             error(f"head_dim {head_dim} must divide the hidden size {grid.hidden}")
 
 
-def resolve_device(requested: str, dry_run: bool) -> tuple[str, jax.Device | None]:
-    """(platform name, device). Refuses --platform gpu without a GPU unless it is a dry run."""
-    has_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
-    name = ("gpu" if has_gpu else "cpu") if requested == "auto" else requested
-    if name == "gpu":
-        if not has_gpu:
-            if dry_run:
-                return name, None
-            sys.exit(
-                f"error: --platform gpu, but JAX sees no GPU (backend {jax.default_backend()})"
-            )
-        return name, jax.devices()[0]
-    return name, jax.devices("cpu")[0]
-
-
 def output_paths(args: argparse.Namespace, grid: Grid) -> dict[str, Path]:
     stem = args.name or f"attention_{grid.name}{'_quick' if args.quick else ''}"
     return {
@@ -648,22 +530,6 @@ def print_plan(grid: Grid, cells: Sequence[Cell], files: Sequence[Path]) -> None
         seqlens = ", ".join(seqlen_label(s) for s in grid.memory_seqlens)
         print(f"memory table ({memory_title(grid)}): seqlen {seqlens}; {columns}")
     print("would write: " + ", ".join(str(f) for f in files))
-
-
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGALRM)
-
-
-def _interrupt_on_stop_signals() -> None:
-    # A time limit's SIGTERM (or --time-limit's SIGALRM) becomes KeyboardInterrupt, so the cells
-    # measured so far still get their markdown table, plot and closing summary. A second signal
-    # acts as usual.
-    def handler(signum: int, frame: Any) -> None:
-        for stop in _STOP_SIGNALS:
-            signal.signal(stop, signal.SIG_DFL)
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    for stop in _STOP_SIGNALS:
-        signal.signal(stop, handler)
 
 
 def print_header(
@@ -693,21 +559,14 @@ def measure_everything(
     """The grid, then the memory table; (results, memory, whether a stop signal cut it short)."""
     results: list[Result] = []
     memory: list[MemoryResult] = []
-    _interrupt_on_stop_signals()
-    if args.time_limit:
-        signal.alarm(args.time_limit)
     try:
-        run_grid(grid, cells, device, unit, results, sink)
-        if not args.no_memory and grid.memory_columns:
-            run_memory(grid, device, memory)
+        with stop_signals(args.time_limit):
+            run_grid(grid, cells, device, unit, results, sink)
+            if not args.no_memory and grid.memory_columns:
+                run_memory(grid, device, memory)
     except KeyboardInterrupt as stop:
-        why = {"SIGALRM": "--time-limit reached", "SIGTERM": "SIGTERM"}.get(str(stop), "Ctrl-C")
-        print(f"interrupted ({why}): writing what was measured so far", flush=True)
+        print(f"interrupted ({stop_reason(stop)}): writing what was measured so far", flush=True)
         return results, memory, True
-    finally:
-        signal.alarm(0)
-        for stop in _STOP_SIGNALS:
-            signal.signal(stop, signal.SIG_DFL)
     return results, memory, False
 
 
@@ -784,7 +643,8 @@ def run(args: argparse.Namespace, grid: Grid, cells: Sequence[Cell], device: jax
     print_header(args, grid, cells, env)
     args.out.mkdir(parents=True, exist_ok=True)
     paths = output_paths(args, grid)
-    sink = CsvSink(paths[".csv"], env, grid.baseline, unit)
+    fields = [*Cell.CSV_FIELDS, *result_fields(unit, grid.baseline)]
+    sink = CsvSink(paths[".csv"], env, fields)
     try:
         results, memory, interrupted = measure_everything(args, grid, cells, device, unit, sink)
     finally:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build and install, run the test suite, run compute-sanitizer over the
-# kernels, and run the benchmark. Stages are chosen by name (default: build test sanitize bench);
+# kernels, and run the benchmarks. Stages are chosen by name (default: build test sanitize bench);
 # logs go to $OUT (or ./out). Example: bash tools/gpu_run.sh build test bench-quick
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -83,6 +83,13 @@ for stage in "${expanded[@]}"; do
     bench-quick)
       run_stage bench python3 benchmarks/bench_attention.py --quick --time-limit 150 \
         --out "$out/bench"
+      ;;
+    bench-masks)
+      # Windows, packed documents, softcap and sinks beside cuDNN and FlashAttention-3. FA3_DIR is
+      # the FA3 carry folder (shared/ANCHORS.md), carried to the device as an ignored path; set
+      # JAX_FLASH_COMMIT, since the device's copy of the tree has no .git.
+      run_stage bench-masks python3 benchmarks/bench_masks.py --fa3-dir "${FA3_DIR:-fa3_carry}" \
+        --time-limit "${MASKS_TIME_LIMIT:-230}" --out "$out/bench"
       ;;
     bench)
       # BENCH_ARGS narrows the grid (e.g. "--dtypes bf16 --time-limit 300") to fit one call.
