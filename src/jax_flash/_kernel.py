@@ -226,7 +226,9 @@ def _flash_bwd(spec, residuals, cotangents):
     if aux.sinks is not None:
         # The sink enters row i's softmax with probability P_sink_i = exp(sink - lse_i) and no
         # value, so d(sink) = sum_i P_sink_i * (dlse_i - dO_i . O_i) = -sum_i P_sink_i delta_i.
-        p_sink = jnp.exp(aux.sinks.astype(acc)[..., None] - lse)
+        # A sink of -inf is no sink: its probability is 0 even in rows whose lse is -inf too.
+        sink = aux.sinks.astype(acc)[..., None]
+        p_sink = jnp.where(jnp.isneginf(sink), 0, jnp.exp(sink - lse))
         dsinks = -jnp.sum(p_sink * delta, axis=-1).astype(aux.sinks.dtype)
     d_aux = Aux(sinks=dsinks)
     return dq, dk, dv, d_aux
