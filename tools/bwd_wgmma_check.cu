@@ -466,10 +466,6 @@ BwdParams make_params(const Run& r) {
   }
   l.max_seqlen_q = l.seqlen_q;
   l.max_seqlen_k = l.seqlen_k;
-  // The transitional fields, as the FFI layer fills them.
-  p.batch = l.batch;
-  p.seqlen_q = l.seqlen_q;
-  p.seqlen_k = l.seqlen_k;
   jax_flash::MaskParams& m = p.mask;
   m.band.left = c.left < 0 ? jax_flash::kUnbounded : c.left;
   m.band.right = c.right < 0 ? jax_flash::kUnbounded : c.right;
@@ -480,7 +476,6 @@ BwdParams make_params(const Run& r) {
   m.segments.kv_ids = r.kv_ids;
   m.segments.q_ranges = r.q_ranges;
   m.segments.kv_ranges = r.kv_ranges;
-  p.causal = plain_causal_or_full(p) && m.band.right == 0;
   return p;
 }
 

@@ -178,21 +178,11 @@ void describe(P& p, const Case& c, const Packing& pk, const jax_flash::MaskParam
   p.mask = mask;
   jax_flash::SeqLayout& l = p.layout;
   l.heads_q = c.heads_q;
-  if (c.varlen) {
-    p.batch = 1;
-    p.seqlen_q = pk.total_q;
-    p.seqlen_k = pk.total_k;
-  } else {
-    p.batch = c.batch;
-    p.seqlen_q = c.seqlen_q;
-    p.seqlen_k = c.seqlen_k;
-  }
-  l.batch = p.batch;
-  l.seqlen_q = p.seqlen_q;
-  l.seqlen_k = p.seqlen_k;
-  l.max_seqlen_q = p.seqlen_q;
-  l.max_seqlen_k = p.seqlen_k;
-  p.causal = mask.band.right == 0 && mask.band.left >= kUnbounded;
+  l.batch = c.varlen ? 1 : c.batch;
+  l.seqlen_q = c.varlen ? pk.total_q : c.seqlen_q;
+  l.seqlen_k = c.varlen ? pk.total_k : c.seqlen_k;
+  l.max_seqlen_q = l.seqlen_q;
+  l.max_seqlen_k = l.seqlen_k;
 }
 
 bool run_case(const Case& c, std::mt19937_64& rng) {

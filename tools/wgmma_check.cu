@@ -354,9 +354,6 @@ void build(Problem& pb, const Case& c, uint64_t seed) {
     l.seqlen_k = pb.rows_k;
     l.max_seqlen_q = max_q;
     l.max_seqlen_k = max_k;
-    p.batch = 1;
-    p.seqlen_q = pb.rows_q;
-    p.seqlen_k = pb.rows_k;
     pb.stat_head = pb.rows_q;
     pb.lse_count = c.heads_q * pb.rows_q;
   } else {
@@ -371,9 +368,6 @@ void build(Problem& pb, const Case& c, uint64_t seed) {
     l.seqlen_k = c.seqlen_k;
     l.max_seqlen_q = c.seqlen_q;
     l.max_seqlen_k = c.seqlen_k;
-    p.batch = c.batch;
-    p.seqlen_q = c.seqlen_q;
-    p.seqlen_k = c.seqlen_k;
     pb.stat_head = c.seqlen_q;
     pb.lse_count = static_cast<int64_t>(c.batch) * c.heads_q * c.seqlen_q;
   }
@@ -436,7 +430,6 @@ void build(Problem& pb, const Case& c, uint64_t seed) {
   m.band.left = c.left;
   m.band.right = c.right;
   m.softcap = c.softcap;
-  p.causal = c.right == 0 && c.left >= kUnbounded && !c.packed();
   if (c.sinks) {
     const int64_t n = (c.packed() ? 1 : c.batch) * static_cast<int64_t>(c.heads_q);
     std::vector<float> sinks(n);

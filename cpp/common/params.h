@@ -20,27 +20,20 @@ enum class DType : int { kF16 = 0, kBF16 = 1, kF32 = 2, kF64 = 3 };
 //   lse, delta   : [batch, heads_q, seqlen_q]             packed: [heads_q, total_q]
 // heads_q is a multiple of heads_kv; query head h reads key/value head h / (heads_q / heads_kv).
 // `layout` says where each sequence lives (common/schedule.h) and `mask` which scores exist
-// (common/mask.h); batch, seqlen_q and seqlen_k repeat layout's dense sizes (packed calls: 1,
-// total_q, total_k). A query row that sees no key gives O = 0, lse = -inf (the sink with sinks)
-// and zero gradients.
+// (common/mask.h). A query row that sees no key gives O = 0, lse = -inf (the sink with sinks) and
+// zero gradients.
 struct FwdParams {
   const void* q;
   const void* k;
   const void* v;
   void* o;
   void* lse;  // natural-log log-sum-exp of the scaled scores
-  int64_t batch;
-  int64_t seqlen_q;
-  int64_t seqlen_k;
   int64_t heads_q;
   int64_t heads_kv;
   int64_t head_dim;
   double softmax_scale;
   MaskParams mask;
   SeqLayout layout;
-  // True when the call is plain causal or unmasked attention over a dense batch (the mask is a
-  // bottom-right band with right = 0 or none, and nothing else is set).
-  bool causal;
 };
 
 struct BwdParams {
@@ -49,31 +42,19 @@ struct BwdParams {
   const void* v;
   const void* dout;   // dO, the cotangent of O
   const void* lse;    // as written by the forward pass
-  const void* delta;  // rowsum(dO * O) - dlse, [batch, heads_q, seqlen_q], computed by the caller
+  const void* delta;  // rowsum(dO * O) - dlse, laid out like lse, computed by the caller
   void* dq;
   void* dk;
   void* dv;
-  // fp32 scratch for atomically accumulated dQ, [batch, seqlen_q, heads_q, head_dim]; used by the
+  // fp32 scratch for atomically accumulated dQ, laid out like dQ; used by the
   // CUDA tensor-core path only, nullptr elsewhere. The launcher zeroes it on the stream.
   float* dq_accum;
-  int64_t batch;
-  int64_t seqlen_q;
-  int64_t seqlen_k;
   int64_t heads_q;
   int64_t heads_kv;
   int64_t head_dim;
   double softmax_scale;
   MaskParams mask;
   SeqLayout layout;
-  bool causal;
 };
-
-// True when the call needs nothing beyond dense causal / unmasked attention.
-template <class P>
-JF_HOST_DEVICE bool plain_causal_or_full(const P& p) {
-  const Band& b = p.mask.band;
-  return !p.layout.varlen() && !p.mask.segments.enabled() && p.mask.softcap == 0.0 &&
-         p.mask.sinks == nullptr && b.left >= kUnbounded && (b.right == 0 || b.right >= kUnbounded);
-}
 
 }  // namespace jax_flash

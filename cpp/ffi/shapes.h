@@ -202,8 +202,8 @@ inline int64_t chunks(int64_t n) { return (n + kSegmentChunk - 1) / kSegmentChun
 // Fills params.mask and params.layout from the options and the optional inputs, checking every
 // buffer that is used.
 template <class P>
-inline ffi::Error decode_mask(const ffi::RemainingArgs& extras, const Options& o, DType dtype,
-                              P& p) {
+inline ffi::Error decode_mask(const ffi::RemainingArgs& extras, const Options& o,
+                              const AttentionDims& d, DType dtype, P& p) {
   MaskParams& m = p.mask;
   m.band.left = o.window_left < 0 ? kUnbounded : o.window_left;
   m.band.right = o.window_right < 0 ? kUnbounded : o.window_right;
@@ -216,7 +216,7 @@ inline ffi::Error decode_mask(const ffi::RemainingArgs& extras, const Options& o
     if (cu_q.has_error()) return cu_q.error();
     if (cu_k.has_error()) return cu_k.error();
     const int64_t n = static_cast<int64_t>(cu_q->element_count()) - 1;
-    if (p.batch != 1 || n < 0 || cu_q->element_type() != ffi::DataType::S32 ||
+    if (d.batch != 1 || n < 0 || cu_q->element_type() != ffi::DataType::S32 ||
         cu_k->element_type() != ffi::DataType::S32 ||
         static_cast<int64_t>(cu_k->element_count()) != n + 1) {
       return invalid("cu_seqlens_q and cu_seqlens_k must be int32 [num_seqs + 1] with rank-3 q");
@@ -224,18 +224,18 @@ inline ffi::Error decode_mask(const ffi::RemainingArgs& extras, const Options& o
     l.cu_seqlens_q = static_cast<const int32_t*>(cu_q->untyped_data());
     l.cu_seqlens_k = static_cast<const int32_t*>(cu_k->untyped_data());
     l.num_seqs = n;
-    l.total_q = p.seqlen_q;
-    l.total_k = p.seqlen_k;
+    l.total_q = d.seqlen_q;
+    l.total_k = d.seqlen_k;
     l.batch = 1;
-    l.max_seqlen_q = o.max_seqlen_q < 0 ? p.seqlen_q : o.max_seqlen_q;
-    l.max_seqlen_k = o.max_seqlen_k < 0 ? p.seqlen_k : o.max_seqlen_k;
+    l.max_seqlen_q = o.max_seqlen_q < 0 ? d.seqlen_q : o.max_seqlen_q;
+    l.max_seqlen_k = o.max_seqlen_k < 0 ? d.seqlen_k : o.max_seqlen_k;
   } else {
-    l.batch = p.batch;
-    l.max_seqlen_q = p.seqlen_q;
-    l.max_seqlen_k = p.seqlen_k;
+    l.batch = d.batch;
+    l.max_seqlen_q = d.seqlen_q;
+    l.max_seqlen_k = d.seqlen_k;
   }
-  l.seqlen_q = p.seqlen_q;
-  l.seqlen_k = p.seqlen_k;
+  l.seqlen_q = d.seqlen_q;
+  l.seqlen_k = d.seqlen_k;
   if (o.has_segments) {
     auto q_ids = extra(extras, kQSegmentIds);
     auto kv_ids = extra(extras, kKvSegmentIds);
@@ -245,11 +245,11 @@ inline ffi::Error decode_mask(const ffi::RemainingArgs& extras, const Options& o
       if (b->has_error()) return b->error();
     }
     for (ffi::Error e :
-         {expect_buffer(*q_ids, ffi::DataType::S32, p.batch * p.seqlen_q, "q_segment_ids"),
-          expect_buffer(*kv_ids, ffi::DataType::S32, p.batch * p.seqlen_k, "kv_segment_ids"),
-          expect_buffer(*q_rng, ffi::DataType::S32, p.batch * chunks(p.seqlen_q) * 2,
+         {expect_buffer(*q_ids, ffi::DataType::S32, d.batch * d.seqlen_q, "q_segment_ids"),
+          expect_buffer(*kv_ids, ffi::DataType::S32, d.batch * d.seqlen_k, "kv_segment_ids"),
+          expect_buffer(*q_rng, ffi::DataType::S32, d.batch * chunks(d.seqlen_q) * 2,
                         "q_segment_ranges"),
-          expect_buffer(*kv_rng, ffi::DataType::S32, p.batch * chunks(p.seqlen_k) * 2,
+          expect_buffer(*kv_rng, ffi::DataType::S32, d.batch * chunks(d.seqlen_k) * 2,
                         "kv_segment_ranges")}) {
       if (e.failure()) return e;
     }
@@ -261,14 +261,13 @@ inline ffi::Error decode_mask(const ffi::RemainingArgs& extras, const Options& o
   if (o.has_sinks) {
     auto sinks = extra(extras, kSinks);
     if (sinks.has_error()) return sinks.error();
-    const int64_t rows = o.varlen ? 1 : p.batch;
+    const int64_t rows = o.varlen ? 1 : d.batch;
     if (auto e = expect_buffer(*sinks, stats_type(dtype), rows * p.heads_q, "sinks"); e.failure()) {
       return e;
     }
     m.sinks = sinks->untyped_data();
     m.sinks_batch_stride = o.varlen ? 0 : p.heads_q;
   }
-  p.causal = m.band.right == 0 && m.band.left >= kUnbounded;
   return ffi::Error::Success();
 }
 
@@ -292,14 +291,11 @@ inline ffi::ErrorOr<Call<P>> decode_inputs(const ffi::AnyBuffer& q, const ffi::A
   p.q = q.untyped_data();
   p.k = k.untyped_data();
   p.v = v.untyped_data();
-  p.batch = d.batch;
-  p.seqlen_q = d.seqlen_q;
-  p.seqlen_k = d.seqlen_k;
   p.heads_q = d.heads_q;
   p.heads_kv = d.heads_kv;
   p.head_dim = d.head_dim;
   p.softmax_scale = options->softmax_scale;
-  if (auto e = decode_mask(extras, *options, call.dtype, p); e.failure()) {
+  if (auto e = decode_mask(extras, *options, d, call.dtype, p); e.failure()) {
     return ffi::Unexpected(e);
   }
   return call;
@@ -312,7 +308,7 @@ inline ffi::ErrorOr<FwdCall> decode_fwd(const ffi::AnyBuffer& q, const ffi::AnyB
   auto call = decode_inputs<FwdParams>(q, k, v, extras, attrs);
   if (call.has_error()) return ffi::Unexpected(call.error());
   FwdParams& p = call->params;
-  const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
+  const int64_t rows = p.layout.rows_q() * p.heads_q;
   for (ffi::Error e : {expect_buffer(o, q.element_type(), rows * p.head_dim, "out"),
                        expect_buffer(lse, stats_type(call->dtype), rows, "lse")}) {
     if (e.failure()) return ffi::Unexpected(e);
@@ -332,9 +328,9 @@ inline ffi::ErrorOr<BwdCall> decode_bwd(const ffi::AnyBuffer& q, const ffi::AnyB
   if (call.has_error()) return ffi::Unexpected(call.error());
   BwdParams& p = call->params;
   const ffi::DataType elem = q.element_type();
-  const int64_t q_elems = p.batch * p.seqlen_q * p.heads_q * p.head_dim;
-  const int64_t kv_elems = p.batch * p.seqlen_k * p.heads_kv * p.head_dim;
-  const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
+  const int64_t rows = p.layout.rows_q() * p.heads_q;
+  const int64_t q_elems = rows * p.head_dim;
+  const int64_t kv_elems = p.layout.rows_k() * p.heads_kv * p.head_dim;
   for (ffi::Error e :
        {expect_buffer(dout, elem, q_elems, "dout"),
         expect_buffer(lse, stats_type(call->dtype), rows, "lse"),
