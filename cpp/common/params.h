@@ -2,6 +2,7 @@
 // flags. Kernels and launchers include this header and nothing from XLA or nanobind.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "common/mask.h"
@@ -56,5 +57,32 @@ struct BwdParams {
   MaskParams mask;
   SeqLayout layout;
 };
+
+// What every kernel family relies on, checked in this one place: by the FFI decode for every call
+// and by each family's launcher for direct callers (tools/), before the family's own limits (head
+// dims, int ranges, alignment). Bounds are >= 0 (kUnbounded or more means none), the softcap
+// finite and >= 0 (0: none), segment ids come with their ranges and only on dense batches.
+template <class P>
+inline bool params_well_formed(const P& p) {
+  const SeqLayout& l = p.layout;
+  const MaskParams& m = p.mask;
+  if (p.heads_q < 1 || p.heads_kv < 1 || p.heads_q % p.heads_kv != 0 || l.heads_q != p.heads_q ||
+      p.head_dim < 1) {
+    return false;
+  }
+  if (!std::isfinite(p.softmax_scale) || p.softmax_scale <= 0.0) return false;
+  if (!std::isfinite(m.softcap) || m.softcap < 0.0) return false;
+  if (m.band.left < 0 || m.band.right < 0) return false;
+  if (l.varlen()) {
+    if (l.cu_seqlens_k == nullptr || l.num_seqs < 0 || l.total_q < 0 || l.total_k < 0 ||
+        m.segments.enabled()) {
+      return false;
+    }
+  } else if (l.batch < 0 || l.seqlen_q < 0 || l.seqlen_k < 0) {
+    return false;
+  }
+  const SegmentIds& s = m.segments;
+  return !s.enabled() || (s.kv_ids != nullptr && s.q_ranges != nullptr && s.kv_ranges != nullptr);
+}
 
 }  // namespace jax_flash

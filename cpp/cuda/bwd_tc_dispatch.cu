@@ -41,22 +41,7 @@ cudaError_t dispatch_head_dim(const BwdParams& params, cudaStream_t stream) {
 
 bool valid_shapes(const BwdParams& p) {
   const SeqLayout& l = p.layout;
-  const MaskParams& m = p.mask;
-  if (l.varlen()) {
-    if (l.cu_seqlens_k == nullptr || l.num_seqs < 0 || l.total_q < 0 || l.total_k < 0) {
-      return false;
-    }
-  } else if (l.batch < 0 || l.seqlen_q < 0 || l.seqlen_k < 0) {
-    return false;
-  }
-  if (p.heads_q < 1 || p.heads_kv < 1 || p.heads_q % p.heads_kv != 0) return false;
-  if (l.heads_q != p.heads_q) return false;
-  if (!(p.softmax_scale > 0.0) || !std::isfinite(p.softmax_scale)) return false;
-  if (!std::isfinite(m.softcap) || m.softcap < 0.0) return false;
-  if (m.band.left < 0 || m.band.right < 0) return false;
-  if (m.segments.enabled() && !(m.segments.kv_ids && m.segments.q_ranges && m.segments.kv_ranges)) {
-    return false;
-  }
+  if (!params_well_formed(p)) return false;
   // An empty tensor may come without storage; every other one must have it.
   const bool queries_ok =
       l.rows_q() == 0 || (p.q && p.dout && p.lse && p.delta && p.dq && p.dq_accum);

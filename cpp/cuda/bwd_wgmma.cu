@@ -41,26 +41,13 @@ bool features_supported(const BwdParams& p) {
 bool params_supported(const BwdParams& p, DType dtype) {
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   const SeqLayout& l = p.layout;
-  if (dtype != DType::kF16 && dtype != DType::kBF16) return false;
-  if (p.heads_q <= 0 || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return false;
-  if (!std::isfinite(p.softmax_scale) || p.softmax_scale <= 0.0) return false;
+  if (!sm90::common_params_supported(p, dtype)) return false;
   if (p.head_dim != 64 && p.head_dim != 128) return false;
-  if (l.heads_q != p.heads_q) return false;
-  if (!std::isfinite(p.mask.softcap) || p.mask.softcap < 0.0) return false;
   // The kernel multiplies q.k by softmax_scale / softcap in float32.
   if (p.mask.softcap > 0.0 && !(p.softmax_scale / p.mask.softcap <
                                 static_cast<double>(std::numeric_limits<float>::max()))) {
     return false;
   }
-  if (l.varlen()) {
-    if (l.cu_seqlens_k == nullptr || l.num_seqs < 0 || l.total_q < 0 || l.total_k < 0) {
-      return false;
-    }
-  } else if (l.batch < 0 || l.seqlen_q < 0 || l.seqlen_k < 0) {
-    return false;
-  }
-  const SegmentIds& seg = p.mask.segments;
-  if (seg.enabled() && (!seg.kv_ids || !seg.q_ranges || !seg.kv_ranges)) return false;
   // Rows (plus one tile) are int TMA coordinates and positions inside the kernel; head indices
   // and the grid are int.
   const int64_t rows_q = l.rows_q();

@@ -52,17 +52,9 @@ cudaError_t fwd_head_dim_switch(const FwdParams& params, cudaStream_t stream) {
 bool fwd_params_supported(const FwdParams& p) {
   constexpr int64_t kMaxSeqlen = INT_MAX / 4;
   const SeqLayout& l = p.layout;
-  const MaskParams& m = p.mask;
-  const bool lengths_ok =
-      l.varlen() ? l.cu_seqlens_k != nullptr && l.num_seqs >= 0 && l.total_q >= 0 &&
-                       l.total_q <= kMaxSeqlen && l.total_k >= 0 && l.total_k <= kMaxSeqlen
-                 : l.batch >= 0 && l.seqlen_q >= 0 && l.seqlen_q <= kMaxSeqlen && l.seqlen_k >= 0 &&
-                       l.seqlen_k <= kMaxSeqlen;
-  return lengths_ok && p.heads_q >= 0 && p.heads_kv > 0 && p.heads_q % p.heads_kv == 0 &&
-         l.heads_q == p.heads_q && std::isfinite(p.softmax_scale) && p.softmax_scale > 0.0 &&
-         std::isfinite(m.softcap) && m.softcap >= 0.0 && m.band.left >= 0 && m.band.right >= 0 &&
-         (!m.segments.enabled() ||
-          (m.segments.kv_ids && m.segments.q_ranges && m.segments.kv_ranges));
+  if (!params_well_formed(p)) return false;
+  return l.varlen() ? l.total_q <= kMaxSeqlen && l.total_k <= kMaxSeqlen
+                    : l.seqlen_q <= kMaxSeqlen && l.seqlen_k <= kMaxSeqlen;
 }
 
 }  // namespace

@@ -45,23 +45,12 @@ bool layout_supported(const FwdParams& p) {
 }
 
 bool mask_supported(const FwdParams& p) {
+  // Everything else of the mask is checked by params_well_formed (common_params_supported).
   const MaskParams& m = p.mask;
-  if (m.band.left < 0 || m.band.right < 0) return false;
-  if (!std::isfinite(m.softcap) || m.softcap < 0.0) return false;
   if (m.sinks != nullptr && !aligned(m.sinks, 4)) return false;
-  if (m.segments.enabled()) {
-    // Segment ids are defined for dense batches only.
-    const SegmentIds& s = m.segments;
-    if (p.layout.varlen() || s.kv_ids == nullptr || s.q_ranges == nullptr ||
-        s.kv_ranges == nullptr) {
-      return false;
-    }
-    if (!aligned(s.q_ids, 4) || !aligned(s.kv_ids, 4) || !aligned(s.q_ranges, 4) ||
-        !aligned(s.kv_ranges, 4)) {
-      return false;
-    }
-  }
-  return true;
+  const SegmentIds& s = m.segments;
+  return !s.enabled() || (aligned(s.q_ids, 4) && aligned(s.kv_ids, 4) && aligned(s.q_ranges, 4) &&
+                          aligned(s.kv_ranges, 4));
 }
 
 bool params_supported(const FwdParams& p, DType dtype) {

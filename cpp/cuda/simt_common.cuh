@@ -308,28 +308,10 @@ cudaError_t checked_params(const Params& p, Params& out) {
   const SeqLayout& l = p.layout;
   const MaskParams& m = p.mask;
   constexpr int64_t kMaxPos = INT32_MAX;
-  if (p.heads_kv < 1 || p.heads_q < p.heads_kv || p.heads_q % p.heads_kv != 0 ||
-      l.heads_q != p.heads_q || p.head_dim < 1 || p.head_dim > kMaxHeadDim) {
-    return cudaErrorInvalidValue;
-  }
-  if (l.varlen()) {
-    if (l.cu_seqlens_k == nullptr || l.num_seqs < 0 || l.total_q < 0 || l.total_k < 0 ||
-        l.total_q > kMaxPos || l.total_k > kMaxPos) {
-      return cudaErrorInvalidValue;
-    }
-    // Segment ranges are summarised per dense batch row; packed sequences have none.
-    if (m.segments.enabled()) return cudaErrorNotSupported;
-  } else if (l.batch < 0 || l.seqlen_q < 0 || l.seqlen_k < 0 || l.seqlen_q > kMaxPos ||
-             l.seqlen_k > kMaxPos) {
-    return cudaErrorInvalidValue;
-  }
-  if (m.segments.enabled() && (m.segments.kv_ids == nullptr || m.segments.q_ranges == nullptr ||
-                               m.segments.kv_ranges == nullptr)) {
-    return cudaErrorInvalidValue;
-  }
-  if (m.band.left < 0 || m.band.right < 0 || !std::isfinite(m.softcap) || m.softcap < 0.0) {
-    return cudaErrorInvalidValue;
-  }
+  if (!params_well_formed(p) || p.head_dim > kMaxHeadDim) return cudaErrorInvalidValue;
+  const bool fits = l.varlen() ? l.total_q <= kMaxPos && l.total_k <= kMaxPos
+                               : l.seqlen_q <= kMaxPos && l.seqlen_k <= kMaxPos;
+  if (!fits) return cudaErrorInvalidValue;
   out = p;
   out.mask.band.left = m.band.left < kUnbounded ? m.band.left : kUnbounded;
   out.mask.band.right = m.band.right < kUnbounded ? m.band.right : kUnbounded;

@@ -19,13 +19,7 @@ bool current_device_is_sm90();
 // with heads_q a multiple of heads_kv, and a finite positive softmax scale.
 template <typename Params>
 bool common_params_supported(const Params& p, DType dtype) {
-  if (dtype != DType::kF16 && dtype != DType::kBF16) return false;
-  const SeqLayout& l = p.layout;
-  if (l.batch < 0 || l.seqlen_q < 0 || l.seqlen_k < 0 || l.num_seqs < 0 || p.heads_q <= 0 ||
-      p.heads_kv <= 0 || l.heads_q != p.heads_q) {
-    return false;
-  }
-  return p.heads_q % p.heads_kv == 0 && std::isfinite(p.softmax_scale) && p.softmax_scale > 0.0;
+  return (dtype == DType::kF16 || dtype == DType::kBF16) && params_well_formed(p);
 }
 
 inline bool aligned(const void* ptr, uintptr_t bytes) {

@@ -298,6 +298,9 @@ inline ffi::ErrorOr<Call<P>> decode_inputs(const ffi::AnyBuffer& q, const ffi::A
   if (auto e = decode_mask(extras, *options, d, call.dtype, p); e.failure()) {
     return ffi::Unexpected(e);
   }
+  if (!params_well_formed(p)) {
+    return ffi::Unexpected(invalid("q, k, v and the options do not form a valid call"));
+  }
   return call;
 }
 
