@@ -1132,7 +1132,8 @@ def section_tables(
 
 
 def gpu_command() -> str:
-    """The command the integrator runs on the H200, with this checkout's commit filled in."""
+    """The command for a GPU machine whose copy of the tree has no .git, with this checkout's
+    commit filled in."""
     head = commit().split()[0]
     prefix = f"JAX_FLASH_COMMIT={head} " if not head.startswith("unknown") else ""
     return f"{prefix}python3 benchmarks/bench_masks.py --fa3-dir fa3_carry --time-limit 230"
