@@ -11,6 +11,7 @@ from jax_flash import _checks, _ffi
 from jax_flash._kernel import Aux, Spec, flash, stats_dtype
 
 Window = tuple[int | None, int | None] | None
+_NO_BOUND = 2**31
 
 
 def _require_kernels(name: str) -> None:
@@ -24,6 +25,9 @@ def _require_kernels(name: str) -> None:
 def _spec(name, head_dim, *, causal, softmax_scale, window, softcap, **extra) -> Spec:
     causal = _checks.check_bool(name, "causal", causal)
     left, right = _checks.check_window(name, window)
+    # Positions are below 2^31, so a bound that large excludes nothing: it is no bound, and the
+    # kernels' position arithmetic never sees it.
+    left, right = (None if b is not None and b >= _NO_BOUND else b for b in (left, right))
     if causal:
         # With causal, a right bound above 0 changes nothing.
         right = 0
