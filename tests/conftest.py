@@ -370,8 +370,8 @@ def _flash_feature_vjp(q, k, v, dout, dlse, segment_ids, sinks, cu_seqlens, stat
 
 # The reference compiles once per shape, dtype and softcap-or-not (XLA's compile time is most of
 # the CPU run time of these tests): every other option reaches it as data. Causal is the right
-# bound 0, an unbounded side 2^30, no segment ids one id everywhere, no sinks sinks of -inf
-# (exp(-inf) adds nothing to a denominator), softmax_scale and softcap traced scalars.
+# bound 0, an unbounded (or wider) side 2^30, no segment ids one id everywhere, no sinks sinks of
+# -inf (exp(-inf) adds nothing to a denominator), softmax_scale and softcap traced scalars.
 UNBOUNDED = 1 << 30
 
 
@@ -428,8 +428,8 @@ def reference_feature_vjp(
     kernel hints and are ignored)."""
     del max_seqlen_q, max_seqlen_k
     left, right = (None, None) if window is None else window
-    left = UNBOUNDED if left is None else left
-    right = 0 if causal else (UNBOUNDED if right is None else right)
+    left = UNBOUNDED if left is None else min(left, UNBOUNDED)
+    right = 0 if causal else (UNBOUNDED if right is None else min(right, UNBOUNDED))
     bounds = jnp.asarray([left, right], jnp.int32)
     scale = jnp.asarray(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
     cap = None if softcap is None else jnp.asarray(softcap, jnp.float64)

@@ -101,7 +101,7 @@ WINDOWS = [
 
 
 @pytest.mark.parametrize(
-    "shape,window,causal,dtype", grid(WINDOWS, float64=(0, 1, 2, 5, 7, 9), float16=(1, 3))
+    "shape,window,causal,dtype", grid(WINDOWS, float64=(0, 1, 2, 5, 7, 9), float16=(1,))
 )
 def test_window(rng, shape, window, causal, dtype):
     q, k, v = qkv(rng, shape, dtype)
@@ -286,9 +286,7 @@ SEGMENT_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "kind,causal,dtype", grid(SEGMENT_CASES, float64=(0, 3, 5), float16=(0, 3))
-)
+@pytest.mark.parametrize("kind,causal,dtype", grid(SEGMENT_CASES, float64=(0, 3, 5), float16=(3,)))
 def test_segment_ids(rng, kind, causal, dtype):
     shape, segment_ids = segment_layout(kind, rng)
     q, k, v = qkv(rng, shape, dtype)
@@ -407,6 +405,9 @@ def test_documents_match_separate_calls(rng, dtype):
         ({"segment_ids": "one"}, {}),
         ({"segment_ids": "one", "causal": True}, {"causal": True}),
         ({"softcap": 1e9}, {}),
+        # bounds past int32 and int64 / 2: i + off + right must not overflow
+        ({"window": (2**31 - 1, 2**62)}, {}),
+        ({"window": (2**40, 0)}, {"causal": True}),
     ],
     ids=[
         "wide_window",
@@ -416,6 +417,8 @@ def test_documents_match_separate_calls(rng, dtype):
         "one_id",
         "one_id_causal",
         "huge_softcap",
+        "int64_window",
+        "int64_causal_window",
     ],
 )
 def test_equivalent_masks(rng, same, other, dtype):

@@ -37,26 +37,11 @@ reference_jit = functools.partial(
 )
 
 
-def stacked(rng, n, dtype=jnp.float64, seqlen_q=40, seqlen_k=40, heads_q=4, heads_kv=2):
-    """n problems [n, B=2, S, H, D] with their segment ids [n, 2, S] and sinks [n, Hq]."""
-    q, k, v = (
-        jnp.stack(xs)
-        for xs in zip(
-            *(
-                make_qkv(
-                    rng,
-                    seqlen_q=seqlen_q,
-                    seqlen_k=seqlen_k,
-                    heads_q=heads_q,
-                    heads_kv=heads_kv,
-                    head_dim=32,
-                    dtype=dtype,
-                )
-                for _ in range(n)
-            ),
-            strict=True,
-        )
-    )
+def stacked(rng, n, dtype=jnp.float64, seqlen_q=40, heads_q=4, heads_kv=2):
+    """n problems [n, 2, S, H, 32] over 40 keys, with segment ids [n, 2, 40] and sinks [n, Hq]."""
+    shape = {"seqlen_q": seqlen_q, "seqlen_k": 40, "heads_q": heads_q, "heads_kv": heads_kv}
+    problems = [make_qkv(rng, head_dim=32, dtype=dtype, **shape) for _ in range(n)]
+    q, k, v = (jnp.stack(xs) for xs in zip(*problems, strict=True))
     ids = jnp.stack([segments_from_lengths([7 + i, 33 - i], [40]) for i in range(n)])
     sinks = jnp.stack([make_sinks(rng, heads_q, dtype, shift=0.0) for _ in range(n)])
     return q, k, v, ids, sinks
@@ -156,7 +141,7 @@ def test_vmap_heads_axis_with_sinks_per_head(rng):
 
 
 def test_vmap_of_grad(rng):
-    q, k, v, ids, sinks = stacked(rng, 3, seqlen_q=30, seqlen_k=40)
+    q, k, v, ids, sinks = stacked(rng, 3, seqlen_q=30)
     ids = (ids[:, :, :30], ids)
     w = normal(rng, q.shape[1:], q.dtype)
     w_lse = normal(rng, (2, 4, 30), q.dtype)
