@@ -1035,25 +1035,18 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
   return convert_dq<T>(params.dq_accum, params.dq, dq_elems, params.softmax_scale, stream);
 }
 
-// The flag combinations that exist: (kBand, kSegments) in {(0, 0), (1, 0), (1, 1)}, each with
-// and without kSoftcap. One explicit instantiation of each per (dtype, head_dim) lives in
+// The variants of JAX_FLASH_TC_FLAGS (tc_primitives.cuh): one explicit instantiation of each per
+// (dtype, head_dim) lives in
 // bwd_tc_hdim{64,128,256}.cu; these declarations keep every other includer from instantiating
 // the kernels again.
-#define JAX_FLASH_BWD_TC_FLAGS(X, T, D) \
-  X(T, D, false, false, false)          \
-  X(T, D, false, false, true)           \
-  X(T, D, true, false, false)           \
-  X(T, D, true, false, true)            \
-  X(T, D, true, true, false)            \
-  X(T, D, true, true, true)
 #define JAX_FLASH_BWD_TC_EXTERN(T, D, B, S, C) \
   extern template cudaError_t run_bwd<T, D, B, S, C>(const BwdParams&, cudaStream_t);
-JAX_FLASH_BWD_TC_FLAGS(JAX_FLASH_BWD_TC_EXTERN, __half, 64)
-JAX_FLASH_BWD_TC_FLAGS(JAX_FLASH_BWD_TC_EXTERN, __half, 128)
-JAX_FLASH_BWD_TC_FLAGS(JAX_FLASH_BWD_TC_EXTERN, __half, 256)
-JAX_FLASH_BWD_TC_FLAGS(JAX_FLASH_BWD_TC_EXTERN, __nv_bfloat16, 64)
-JAX_FLASH_BWD_TC_FLAGS(JAX_FLASH_BWD_TC_EXTERN, __nv_bfloat16, 128)
-JAX_FLASH_BWD_TC_FLAGS(JAX_FLASH_BWD_TC_EXTERN, __nv_bfloat16, 256)
+JAX_FLASH_TC_FLAGS(JAX_FLASH_BWD_TC_EXTERN, __half, 64)
+JAX_FLASH_TC_FLAGS(JAX_FLASH_BWD_TC_EXTERN, __half, 128)
+JAX_FLASH_TC_FLAGS(JAX_FLASH_BWD_TC_EXTERN, __half, 256)
+JAX_FLASH_TC_FLAGS(JAX_FLASH_BWD_TC_EXTERN, __nv_bfloat16, 64)
+JAX_FLASH_TC_FLAGS(JAX_FLASH_BWD_TC_EXTERN, __nv_bfloat16, 128)
+JAX_FLASH_TC_FLAGS(JAX_FLASH_BWD_TC_EXTERN, __nv_bfloat16, 256)
 #undef JAX_FLASH_BWD_TC_EXTERN
 
 }  // namespace jax_flash::cuda::bwd_tc

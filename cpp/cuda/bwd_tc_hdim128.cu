@@ -6,8 +6,8 @@ namespace jax_flash::cuda::bwd_tc {
 
 #define JAX_FLASH_BWD_TC_DEFINE(T, D, B, S, C) \
   template cudaError_t run_bwd<T, D, B, S, C>(const BwdParams&, cudaStream_t);
-JAX_FLASH_BWD_TC_FLAGS(JAX_FLASH_BWD_TC_DEFINE, __half, 128)
-JAX_FLASH_BWD_TC_FLAGS(JAX_FLASH_BWD_TC_DEFINE, __nv_bfloat16, 128)
+JAX_FLASH_TC_FLAGS(JAX_FLASH_BWD_TC_DEFINE, __half, 128)
+JAX_FLASH_TC_FLAGS(JAX_FLASH_BWD_TC_DEFINE, __nv_bfloat16, 128)
 #undef JAX_FLASH_BWD_TC_DEFINE
 
 }  // namespace jax_flash::cuda::bwd_tc

@@ -811,24 +811,16 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
   return launch_fwd<FwdTraitsFor<T, kHeadDim>, kBand, kSegments, kSoftcap>(params, stream);
 }
 
-// The flag combinations that exist: (kBand, kSegments) in {(0, 0), (1, 0), (1, 1)}, each with
-// and without kSoftcap. Declared here and defined once in fwd_tc_hdim{64,128,256}.cu, one file
-// per head_dim.
-#define JAX_FLASH_FWD_TC_FLAGS(X, T, D) \
-  X(T, D, false, false, false)          \
-  X(T, D, false, false, true)           \
-  X(T, D, true, false, false)           \
-  X(T, D, true, false, true)            \
-  X(T, D, true, true, false)            \
-  X(T, D, true, true, true)
+// Every variant of JAX_FLASH_TC_FLAGS (tc_primitives.cuh) is declared here and defined once in
+// fwd_tc_hdim{64,128,256}.cu, one file per head_dim.
 #define JAX_FLASH_FWD_TC_EXTERN(T, D, B, S, C) \
   extern template cudaError_t run_fwd<T, D, B, S, C>(const FwdParams&, cudaStream_t);
-JAX_FLASH_FWD_TC_FLAGS(JAX_FLASH_FWD_TC_EXTERN, __half, 64)
-JAX_FLASH_FWD_TC_FLAGS(JAX_FLASH_FWD_TC_EXTERN, __half, 128)
-JAX_FLASH_FWD_TC_FLAGS(JAX_FLASH_FWD_TC_EXTERN, __half, 256)
-JAX_FLASH_FWD_TC_FLAGS(JAX_FLASH_FWD_TC_EXTERN, __nv_bfloat16, 64)
-JAX_FLASH_FWD_TC_FLAGS(JAX_FLASH_FWD_TC_EXTERN, __nv_bfloat16, 128)
-JAX_FLASH_FWD_TC_FLAGS(JAX_FLASH_FWD_TC_EXTERN, __nv_bfloat16, 256)
+JAX_FLASH_TC_FLAGS(JAX_FLASH_FWD_TC_EXTERN, __half, 64)
+JAX_FLASH_TC_FLAGS(JAX_FLASH_FWD_TC_EXTERN, __half, 128)
+JAX_FLASH_TC_FLAGS(JAX_FLASH_FWD_TC_EXTERN, __half, 256)
+JAX_FLASH_TC_FLAGS(JAX_FLASH_FWD_TC_EXTERN, __nv_bfloat16, 64)
+JAX_FLASH_TC_FLAGS(JAX_FLASH_FWD_TC_EXTERN, __nv_bfloat16, 128)
+JAX_FLASH_TC_FLAGS(JAX_FLASH_FWD_TC_EXTERN, __nv_bfloat16, 256)
 #undef JAX_FLASH_FWD_TC_EXTERN
 
 }  // namespace jax_flash::cuda::fwd_tc

@@ -6,8 +6,8 @@ namespace jax_flash::cuda::fwd_tc {
 
 #define JAX_FLASH_FWD_TC_DEFINE(T, D, B, S, C) \
   template cudaError_t run_fwd<T, D, B, S, C>(const FwdParams&, cudaStream_t);
-JAX_FLASH_FWD_TC_FLAGS(JAX_FLASH_FWD_TC_DEFINE, __half, 64)
-JAX_FLASH_FWD_TC_FLAGS(JAX_FLASH_FWD_TC_DEFINE, __nv_bfloat16, 64)
+JAX_FLASH_TC_FLAGS(JAX_FLASH_FWD_TC_DEFINE, __half, 64)
+JAX_FLASH_TC_FLAGS(JAX_FLASH_FWD_TC_DEFINE, __nv_bfloat16, 64)
 #undef JAX_FLASH_FWD_TC_DEFINE
 
 }  // namespace jax_flash::cuda::fwd_tc

@@ -127,4 +127,14 @@ __device__ __forceinline__ float fast_tanh(float x) {
   return y;
 }
 
+// The mask variants both mma.sync directions are instantiated for, as X(T, D, kBand, kSegments,
+// kSoftcap): (kBand, kSegments) in {(0, 0), (1, 0), (1, 1)}, each with and without kSoftcap.
+#define JAX_FLASH_TC_FLAGS(X, T, D) \
+  X(T, D, false, false, false)      \
+  X(T, D, false, false, true)       \
+  X(T, D, true, false, false)       \
+  X(T, D, true, false, true)        \
+  X(T, D, true, true, false)        \
+  X(T, D, true, true, true)
+
 }  // namespace jax_flash::cuda::tc
