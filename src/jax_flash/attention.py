@@ -9,8 +9,8 @@ import jax.numpy as jnp
 
 from jax_flash import _checks, _ffi
 from jax_flash._kernel import Aux, Spec, flash, stats_dtype
+from jax_flash.reference import Window
 
-Window = tuple[int | None, int | None] | None
 _NO_BOUND = 2**31
 
 
