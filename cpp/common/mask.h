@@ -24,6 +24,9 @@ namespace jax_flash {
 // a position never overflows int64 and always lands outside every sequence.
 inline constexpr int64_t kUnbounded = int64_t{1} << 40;
 
+// The largest diagonal shift a call may ask for: a position difference, so below 2^31.
+inline constexpr int64_t kMaxBandShift = int64_t{1} << 31;
+
 // Segment ids are summarised per kSegmentChunk consecutive positions as (min, max), so that a
 // kernel can prove a tile pair shares no segment (skip it) or a single one (no element masking)
 // from a few loads, whatever its tile size. Every kernel tile size is a multiple of it.
@@ -95,14 +98,27 @@ struct SeqMask {
 };
 
 // The band as given to a call: both bounds >= 0 or kUnbounded, causal already folded into
-// right = 0. The diagonal offset is a value: bottom-right alignment passes seqlen_k - seqlen_q.
+// right = 0. The diagonal offset is a value: offset = (bottom_right ? seqlen_k - seqlen_q : 0) +
+// shift. Bottom-right alignment is the default; the jax.nn-compatible entry point passes top-left
+// (bottom_right = false), and a sequence-sharded caller shifts the diagonal by the distance between
+// its query block and key block.
 struct Band {
   int64_t left = kUnbounded;
   int64_t right = kUnbounded;
+  int64_t shift = 0;  // |shift| <= kMaxBandShift
+  bool bottom_right = true;
 
   JF_HOST_DEVICE bool unbounded() const { return left >= kUnbounded && right >= kUnbounded; }
+  // Any bound from kUnbounded up means none; clamping keeps every kernel's band arithmetic far
+  // from int64 overflow.
+  JF_HOST_DEVICE Band clamped() const {
+    Band b = *this;
+    b.left = left < kUnbounded ? left : kUnbounded;
+    b.right = right < kUnbounded ? right : kUnbounded;
+    return b;
+  }
   JF_HOST_DEVICE SeqMask for_seq(int64_t seqlen_q, int64_t seqlen_k) const {
-    const int64_t offset = seqlen_k - seqlen_q;
+    const int64_t offset = (bottom_right ? seqlen_k - seqlen_q : 0) + shift;
     return {offset - left, offset + right, seqlen_q, seqlen_k};
   }
 };

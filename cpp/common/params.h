@@ -73,6 +73,7 @@ inline bool params_well_formed(const P& p) {
   if (!std::isfinite(p.softmax_scale) || p.softmax_scale <= 0.0) return false;
   if (!std::isfinite(m.softcap) || m.softcap < 0.0) return false;
   if (m.band.left < 0 || m.band.right < 0) return false;
+  if (m.band.shift < -kMaxBandShift || m.band.shift > kMaxBandShift) return false;
   if (l.varlen()) {
     if (l.cu_seqlens_k == nullptr || l.num_seqs < 0 || l.total_q < 0 || l.total_k < 0 ||
         m.segments.enabled()) {

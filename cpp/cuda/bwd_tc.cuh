@@ -1005,7 +1005,7 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
     args.dv = params.dv;
     args.dq_accum = params.dq_accum;
     args.layout = layout;
-    args.band = params.mask.band;
+    args.band = params.mask.band.clamped();
     args.segments = params.mask.segments;
     args.q_id_chunks = (layout.seqlen_q + kSegmentChunk - 1) / kSegmentChunk;
     args.kv_id_chunks = (layout.seqlen_k + kSegmentChunk - 1) / kSegmentChunk;

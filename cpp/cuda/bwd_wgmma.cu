@@ -24,15 +24,6 @@ using sm90::encode_bshd;
 constexpr int kBlockM = 64;
 constexpr int kBlockN = 128;
 
-// The band as the kernels take it: a bound beyond every position means the same as kUnbounded,
-// and clamping it there keeps the shared policy's int64 arithmetic far from overflow.
-Band clamped_band(const Band& b) {
-  const auto clamp = [](int64_t x) {
-    return x < -kUnbounded ? -kUnbounded : std::min(x, kUnbounded);
-  };
-  return {clamp(b.left), clamp(b.right)};
-}
-
 // Segment ids are defined for dense batches only; everything else of MaskParams is served.
 bool features_supported(const BwdParams& p) {
   return !(p.layout.varlen() && p.mask.segments.enabled());
@@ -127,7 +118,7 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
     args.dk = p.dk;
     args.dv = p.dv;
     args.layout = l;
-    args.band = clamped_band(p.mask.band);
+    args.band = p.mask.band.clamped();
     args.segments = p.mask.segments;
     args.seg_stride_q = l.seqlen_q;
     args.seg_stride_k = l.seqlen_k;

@@ -785,7 +785,7 @@ cudaError_t launch_fwd(const FwdParams& params, cudaStream_t stream) {
   args.q_row_stride = params.heads_q * Tr::kHeadDim;
   args.kv_row_stride = params.heads_kv * Tr::kHeadDim;
   args.layout = layout;
-  args.band = params.mask.band;
+  args.band = params.mask.band.clamped();
   args.segments = params.mask.segments;
   args.q_id_chunks = (layout.seqlen_q + kSegmentChunk - 1) / kSegmentChunk;
   args.kv_id_chunks = (layout.seqlen_k + kSegmentChunk - 1) / kSegmentChunk;

@@ -91,10 +91,7 @@ cudaError_t launch(const FwdParams& p, CUtensorMapDataType type, cudaStream_t st
   args.o = p.o;
   args.lse = static_cast<float*>(p.lse);
   args.layout = l;
-  // Any bound from kUnbounded up means none; clamping keeps the kernel's band arithmetic far from
-  // int64 overflow.
-  args.band.left = std::min(p.mask.band.left, kUnbounded);
-  args.band.right = std::min(p.mask.band.right, kUnbounded);
+  args.band = p.mask.band.clamped();
   args.segments = p.mask.segments;
   args.sinks = static_cast<const float*>(p.mask.sinks);
   args.sinks_batch_stride = p.mask.sinks_batch_stride;

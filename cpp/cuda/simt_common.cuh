@@ -313,8 +313,7 @@ cudaError_t checked_params(const Params& p, Params& out) {
                                : l.seqlen_q <= kMaxPos && l.seqlen_k <= kMaxPos;
   if (!fits) return cudaErrorInvalidValue;
   out = p;
-  out.mask.band.left = m.band.left < kUnbounded ? m.band.left : kUnbounded;
-  out.mask.band.right = m.band.right < kUnbounded ? m.band.right : kUnbounded;
+  out.mask.band = m.band.clamped();
   return cudaSuccess;
 }
 

@@ -137,10 +137,12 @@ inline ffi::ErrorOr<T> attr(const ffi::Dictionary& attrs, std::string_view name)
 // The call's options, decoded from its attributes in one place for all four handlers.
 struct Options {
   double softmax_scale;
-  int64_t window_left;   // -1: unbounded
-  int64_t window_right;  // -1: unbounded (causal arrives as 0)
-  double softcap;        // 0: none
-  int64_t max_seqlen_q;  // -1: not given
+  int64_t window_left;     // -1: unbounded
+  int64_t window_right;    // -1: unbounded (causal arrives as 0)
+  int64_t band_shift;      // added to the diagonal offset
+  bool band_bottom_right;  // offset starts from seqlen_k - seqlen_q (else from 0)
+  double softcap;          // 0: none
+  int64_t max_seqlen_q;    // -1: not given
   int64_t max_seqlen_k;
   bool has_segments;
   bool has_sinks;
@@ -163,6 +165,8 @@ inline ffi::ErrorOr<Options> decode_options(const ffi::Dictionary& attrs) {
   read(o.softmax_scale, "softmax_scale");
   read(o.window_left, "window_left");
   read(o.window_right, "window_right");
+  read(o.band_shift, "band_shift");
+  read(o.band_bottom_right, "band_bottom_right");
   read(o.softcap, "softcap");
   read(o.max_seqlen_q, "max_seqlen_q");
   read(o.max_seqlen_k, "max_seqlen_k");
@@ -175,6 +179,9 @@ inline ffi::ErrorOr<Options> decode_options(const ffi::Dictionary& attrs) {
   }
   if (o.window_left < -1 || o.window_right < -1) {
     return ffi::Unexpected(invalid("window bounds must be -1 (unbounded) or >= 0"));
+  }
+  if (o.band_shift < -kMaxBandShift || o.band_shift > kMaxBandShift) {
+    return ffi::Unexpected(invalid("band_shift must be within +-2^31"));
   }
   if (!std::isfinite(o.softcap) || o.softcap < 0.0) {
     return ffi::Unexpected(invalid("softcap must be finite and >= 0 (0: none)"));
@@ -207,6 +214,8 @@ inline ffi::Error decode_mask(const ffi::RemainingArgs& extras, const Options& o
   MaskParams& m = p.mask;
   m.band.left = o.window_left < 0 ? kUnbounded : o.window_left;
   m.band.right = o.window_right < 0 ? kUnbounded : o.window_right;
+  m.band.shift = o.band_shift;
+  m.band.bottom_right = o.band_bottom_right;
   m.softcap = o.softcap;
   SeqLayout& l = p.layout;
   l.heads_q = p.heads_q;

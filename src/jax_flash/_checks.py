@@ -25,6 +25,15 @@ def check_bool(fn: str, name: str, value: Any) -> bool:
     return bool(value)
 
 
+def check_diagonal_shift(fn: str, shift: Any) -> int:
+    """A static int within +-2^31 (a difference of positions)."""
+    if isinstance(shift, (bool, np.bool_)) or not isinstance(shift, (int, np.integer)):
+        raise TypeError(f"jax_flash.{fn}: diagonal_shift must be a static int, got {shift!r}")
+    if abs(int(shift)) > 2**31:
+        raise ValueError(f"jax_flash.{fn}: diagonal_shift must be within +-2^31, got {shift}")
+    return int(shift)
+
+
 def _check_tensors(fn: str, q: Any, k: Any, v: Any, rank: int, layout: str) -> None:
     """One supported dtype, the given rank, no empty axis; k and v of one shape."""
     for name, x in (("q", q), ("k", k), ("v", v)):

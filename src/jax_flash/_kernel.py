@@ -55,6 +55,9 @@ class Spec:
     softmax_scale: float
     window_left: int = -1  # -1: unbounded
     window_right: int = -1  # -1: unbounded; causal arrives as 0
+    # The band's diagonal: offset = (seqlen_k - seqlen_q if band_bottom_right else 0) + band_shift.
+    band_shift: int = 0
+    band_bottom_right: bool = True
     softcap: float = 0.0  # 0: none
     varlen: bool = False
     max_seqlen_q: int = -1  # -1: not given
@@ -67,6 +70,8 @@ class Spec:
             "softmax_scale": float(self.softmax_scale),
             "window_left": int(self.window_left),
             "window_right": int(self.window_right),
+            "band_shift": int(self.band_shift),
+            "band_bottom_right": np.bool_(self.band_bottom_right),
             "softcap": float(self.softcap),
             "has_segments": np.bool_(aux.q_segment_ids is not None),
             "has_sinks": np.bool_(aux.sinks is not None),

@@ -85,12 +85,38 @@ def attention(
       out [batch, seqlen_q, heads_q, head_dim] in the input dtype, and with ``return_lse`` also
       lse (float32, or float64 for float64 inputs).
     """
-    name = "attention"
+    return dense_attention(
+        "attention", q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
+        softcap=softcap, segment_ids=segment_ids, sinks=sinks, return_lse=return_lse,
+    )  # fmt: skip
+
+
+def dense_attention(
+    name: str,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool,
+    softmax_scale: float | None,
+    window: Window,
+    softcap: float | None,
+    segment_ids: jax.Array | Sequence[jax.Array] | None,
+    sinks: jax.Array | None,
+    return_lse: bool,
+    bottom_right: bool = True,
+    diagonal_shift: int = 0,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """:func:`attention` with the band's diagonal as a parameter, for the package's other entry
+    points: offset = (seqlen_k - seqlen_q if bottom_right else 0) + diagonal_shift, a static int
+    with |diagonal_shift| <= 2^31. ``name`` is the entry point the error messages name."""
     _checks.check_inputs(q, k, v)
     return_lse = _checks.check_bool(name, "return_lse", return_lse)
+    bottom_right = _checks.check_bool(name, "bottom_right", bottom_right)
+    diagonal_shift = _checks.check_diagonal_shift(name, diagonal_shift)
     spec = _spec(
         name, q.shape[-1], causal=causal, softmax_scale=softmax_scale, window=window,
-        softcap=softcap,
+        softcap=softcap, band_shift=diagonal_shift, band_bottom_right=bottom_right,
     )  # fmt: skip
     batch, seqlen_q, heads_q = q.shape[0], q.shape[1], q.shape[2]
     q_ids, kv_ids = _checks.check_segment_ids(segment_ids, batch, seqlen_q, k.shape[1])

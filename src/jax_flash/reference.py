@@ -98,14 +98,17 @@ def attention_reference(
     segment_ids: jax.Array | Sequence[jax.Array] | None = None,
     sinks: jax.Array | None = None,
     return_lse: bool = False,
+    diagonal_offset: int | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of q [B, Sq, Hq, D] over k, v [B, Sk, Hkv, D], computed in the inputs' dtype.
 
     Same contract as :func:`jax_flash.attention`: rows that see no key give output 0 and lse
-    -inf (the sink with sinks), and their gradients are zero.
+    -inf (the sink with sinks), and their gradients are zero. ``diagonal_offset`` moves the
+    diagonal that ``causal`` and ``window`` are measured from (default ``Sk - Sq``, bottom-right;
+    0 is top-left).
     """
     seqlen_q, seqlen_k = q.shape[-3], k.shape[-3]
-    visible = band_mask(seqlen_q, seqlen_k, causal=causal, window=window)
+    visible = band_mask(seqlen_q, seqlen_k, causal=causal, window=window, offset=diagonal_offset)
     if segment_ids is not None:
         if isinstance(segment_ids, (tuple, list)):
             q_ids, kv_ids = segment_ids
