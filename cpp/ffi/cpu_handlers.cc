@@ -6,6 +6,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 
 #include "cpu/attention_cpu.h"
 #include "ffi/handlers.h"
@@ -60,11 +61,21 @@ cpu::ParallelFor make_parallel_for(ffi::ThreadPool& pool) {
   };
 }
 
+// A JAX_FLASH_CPU_ISA that names an unknown level, or one this CPU lacks, fails every call with
+// its message instead of running other code than the one asked for (or crashing on an illegal
+// instruction).
+std::optional<ffi::Error> isa_refused() {
+  const cpu::IsaChoice& choice = cpu::isa_choice();
+  if (choice.error.empty()) return std::nullopt;
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, choice.error);
+}
+
 ffi::Error fwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::RemainingArgs extras, ffi::Result<ffi::AnyBuffer> o,
                    ffi::Result<ffi::AnyBuffer> lse, ffi::Dictionary attrs) {
   auto call = decode_fwd(q, k, v, extras, *o, *lse, attrs);
   if (call.has_error()) return call.error();
+  if (auto refused = isa_refused()) return *refused;
   cpu::attention_fwd(call->params, call->dtype, make_parallel_for(pool));
   return ffi::Error::Success();
 }
@@ -76,6 +87,7 @@ ffi::Error bwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                    ffi::Dictionary attrs) {
   auto call = decode_bwd(q, k, v, dout, lse, delta, extras, *dq, *dk, *dv, attrs);
   if (call.has_error()) return call.error();
+  if (auto refused = isa_refused()) return *refused;
   cpu::attention_bwd(call->params, call->dtype, make_parallel_for(pool));
   return ffi::Error::Success();
 }
