@@ -191,7 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             *header,
             f"- load average after: {load_after}",
             f"- shape: B={args.batch}, H={args.heads}, float32, layout [B, S, H, D]; GEMM: "
-            f"{args.gemm_size}×{args.gemm_size}×{args.gemm_size} float32 (jnp.matmul), same process",
+            f"{args.gemm_size}×{args.gemm_size}×{args.gemm_size} float32 (jnp.matmul), "
+            "same process",
             f"- timing: {args.repeats} interleaved repeats of back-to-back calls (about "
             f"{TARGET_SECONDS} s each) per implementation; medians; spread = largest "
             "(max - min) / median of the three",
