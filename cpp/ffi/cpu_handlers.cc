@@ -44,14 +44,19 @@ struct ParallelState {
 };
 
 // The calling thread works through the tasks too, so the call completes even when no pool thread
-// is free; waiting is only for tasks that helpers have already claimed.
+// is free; waiting is only for tasks that helpers have already claimed. It counts as one of the
+// pool's threads: XLA:CPU runs the custom call on the thread that executes the program (the
+// caller's, or one of the pool's own), so num_threads() - 1 helpers keep exactly num_threads()
+// threads busy either way. Scheduling num_threads() helpers as well put one thread more than
+// there are cores to work, which then time-shared the cores and their caches.
 cpu::ParallelFor make_parallel_for(ffi::ThreadPool& pool) {
   return [&pool](int64_t n_tasks, const std::function<void(int64_t)>& task) {
     if (n_tasks <= 0) return;
     auto state = std::make_shared<ParallelState>();
     state->n_tasks = n_tasks;
     state->task = &task;
-    const int64_t helpers = std::min<int64_t>(pool.num_threads(), n_tasks - 1);
+    const int64_t helpers =
+        std::max<int64_t>(0, std::min<int64_t>(pool.num_threads() - 1, n_tasks - 1));
     for (int64_t i = 0; i < helpers; ++i) {
       pool.Schedule([state] { state->drain(); });
     }
