@@ -39,7 +39,10 @@
 // small heap buffer (a few tiles: O(tile * head_dim)) that it reuses for all its tiles. When there
 // are too few blocks to occupy the thread pool (decoding, short key sequences), the inner loop is
 // split and the pieces' partial results go to one per-call buffer of O(splits * tile * head_dim)
-// per block, combined in a fixed order. Nothing is O(seqlen^2).
+// per block, combined in a fixed order. Each pass also packs the tensors its tiles read (K and V;
+// the dK/dV pass scaled Q and dO) into per-head panels in the compute type, one heap copy of each
+// per call (Panel below): O(seqlen * heads * head_dim), the size of the inputs in float32.
+// Nothing is O(seqlen^2).
 
 template <class T>
 struct VecOf;
