@@ -54,8 +54,10 @@ def main() -> None:
     cpu_seconds = time.process_time() - cpu_start
     # Per core-second of this process's CPU time: a figure that other load on the host changes
     # far less than the wall-clock rate, for comparing kernel changes on a busy machine.
+    # Builds older than the instruction-set report have no cpu_isa(); they can be profiled too.
+    isa = getattr(_jax_flash, "cpu_isa", lambda: "isa unreported")()
     print(
-        f"{_jax_flash.cpu_isa()}: {calls} calls, {elapsed / calls * 1e3:.1f} ms each, "
+        f"{isa}: {calls} calls, {elapsed / calls * 1e3:.1f} ms each, "
         f"{flops * calls / elapsed / 1e9:.1f} GFLOP/s wall, "
         f"{flops * calls / cpu_seconds / 1e9:.1f} GFLOP per CPU-second"
     )
