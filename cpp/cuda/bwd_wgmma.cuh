@@ -750,6 +750,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           tc::pack2<T>(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
     }
   }
+#else
+  // A device pass without the sm_90a instructions (the host never launches it there).
+  __trap();
 #endif  // JAX_FLASH_SM90A
 }
 
