@@ -226,6 +226,29 @@ def _op(call: _Call, aux_type) -> Callable:
     return op
 
 
+def _varying_axes(x) -> frozenset:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax >= 0.10: the manual axis type
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def vary_like(outs: tuple, ins) -> tuple:
+    """outs typed as varying over every manual mesh axis that any of ins varies over. Inside
+    shard_map each value carries the axes it varies over; XLA's custom calls return untyped
+    results, which a custom VJP then rejects as cotangents of sharded inputs."""
+    axes = frozenset().union(*(_varying_axes(x) for x in jax.tree.leaves(ins)))
+    if not axes:
+        return outs
+
+    def cast(x):
+        missing = axes - _varying_axes(x)
+        return jax.lax.pcast(x, tuple(sorted(missing, key=str)), to="varying") if missing else x
+
+    return tuple(cast(x) for x in outs)
+
+
 def partitioned(kind: str, local: Callable) -> Callable:
     """``local(*arrays, aux, spec)`` (the per-platform kernel call of ``kind``, "forward" or
     "backward") as a call that partitions over batch and heads under jit."""
@@ -242,6 +265,7 @@ def partitioned(kind: str, local: Callable) -> Callable:
             lead=q.ndim - 3,
             heads_kv=k.shape[-2],
         )
-        return _op(desc, type(aux))(*arrays, *(getattr(aux, f) for f in fields))
+        operands = (*arrays, *(getattr(aux, f) for f in fields))
+        return vary_like(_op(desc, type(aux))(*operands), operands)
 
     return call
