@@ -272,6 +272,9 @@ def _ring_bwd_pass(cfg: _Config, q, k, v, q_ids, kv_ids, out, lse, dout, dlse):
         (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc)), (q, k, v)
     )
     dkv = tuple(dkv)
+    # The backward sends K/V around the ring again. When the forward is in the same program,
+    # XLA may merge these permutes with the forward's (same arrays, same pairs) and keep the
+    # forward's visiting blocks alive instead: fewer transfers for n K/V blocks of memory.
     visiting = (k, v, kv_ids)
 
     def compute(blocks, carry):
