@@ -10,7 +10,8 @@ On n devices (whatever JAX sees, of the default backend), for forward and forwar
   batch/heads  jit of jax_flash.attention with q, k, v sharded over batch (n divides the batch)
                or else over heads: no collective;
   ring         jax_flash.ring_attention inside shard_map, the sequence sharded over the n
-               devices (n * shard_len tokens), contiguous and zigzag layouts, causal and not.
+               devices (n * shard_len tokens), contiguous and zigzag layouts, causal and not,
+               beside jax_flash.attention on the whole sequence on device 0.
 Per cell: milliseconds per step (median of repeats), the collectives in the compiled HLO, the bytes
 each device sends per step (the sum of the collective-permute results: every device sends one
 block per permute), and for the ring the max/min ratio of the (query, key) pairs the devices
@@ -150,6 +151,14 @@ def main(argv=None) -> int:
     qr = normal((1, seq, args.heads, args.head_dim))
     kr, vr = (normal((1, seq, heads_kv, args.head_dim)) for _ in range(2))
     for backward in (False, True):
+        for causal in (False, True):
+
+            def whole(q, k, v, causal=causal):
+                return jax_flash.attention(q, k, v, causal=causal)
+
+            one = [jax.device_put(x, devices[0]) for x in (qr, kr, vr, qr)]
+            tag = "causal" if causal else "full"
+            record(f"one device, B=1 S={seq} {tag}", backward, whole, one[: 3 + backward])
         for layout, causal in (("contiguous", False), ("contiguous", True), ("zigzag", True)):
             if layout == "zigzag" and args.shard_len % 2:
                 continue
