@@ -4,6 +4,7 @@ backward, the results keep the inputs' sharding and equal the single-device resu
 is gathered with a one-time warning naming the mesh axis, and stays exact."""
 
 import contextlib
+import functools
 import warnings
 
 import jax
@@ -171,3 +172,47 @@ def test_heads_sharding_that_does_not_divide_heads_kv_is_gathered(rng):
         out = jax.jit(jax_flash.attention)(qs, *kvs)
     want = jax.jit(jax_flash.attention)(q, k, v)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+
+
+def test_sinks_gradient_sums_over_batch_shards(rng):
+    # Sinks are per head and shared by the batch: their gradient is the one collective.
+    m = mesh((4, 2), ("data", "model"))
+    q, k, v = make_qkv(rng, batch=4, seqlen_q=16, seqlen_k=16, heads_q=4, heads_kv=2, head_dim=16)
+    sinks = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    dout = normal(rng, q.shape, q.dtype)
+
+    def f(q, k, v, sinks):
+        out, pullback = jax.vjp(
+            lambda q, k, v, s: jax_flash.attention(q, k, v, sinks=s), q, k, v, sinks
+        )
+        return out, pullback(dout)
+
+    spec = NamedSharding(m, P("data", None, "model", None))
+    args = [jax.device_put(x, spec) for x in (q, k, v)]
+    found = collectives(f, *args, sinks)
+    assert set(found) == {("all-reduce", "f32[2]{0}")}, found
+    got, want = jax.jit(f)(*args, sinks), jax.jit(f)(q, k, v, sinks)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert rel_l2(a, b) <= 1e-6
+
+
+def test_attention_inside_shard_map_with_gradients(rng):
+    # Inside shard_map the kernel's results are typed as varying over the mesh axes of their
+    # inputs, so the custom VJP's cotangents match the sharded inputs.
+    m = mesh((8,), ("data",))
+    q, k, v = make_qkv(rng, batch=8, seqlen_q=16, seqlen_k=16, heads_q=2, head_dim=16)
+    batch = P("data")
+    local = jax.shard_map(
+        lambda q, k, v: jax_flash.attention(q, k, v, causal=True),
+        mesh=m, in_specs=(batch,) * 3, out_specs=batch,
+    )  # fmt: skip
+
+    def loss(attn):
+        return lambda q, k, v: jnp.sum(attn(q, k, v) ** 2)
+
+    got = jax.jit(jax.grad(loss(local), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(
+        jax.grad(loss(functools.partial(jax_flash.attention, causal=True)), argnums=(0, 1, 2))
+    )(q, k, v)
+    for a, b in zip(got, want, strict=True):
+        assert rel_l2(a, b) <= 1e-6
