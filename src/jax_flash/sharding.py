@@ -115,7 +115,17 @@ def _layout(call: _Call, mesh, q_sharding, *, warn: bool):
     kernel cannot split is replicated, with a warning when ``warn``."""
     name = "attention_varlen" if call.packed else "attention"
     rank = call.lead + 3
-    spec = tuple(q_sharding.spec) if isinstance(q_sharding, NamedSharding) else ()
+    if isinstance(q_sharding, NamedSharding):
+        spec = tuple(q_sharding.spec)
+    else:
+        # Without a mesh to read it against (no NamedSharding), q's sharding has no axis names:
+        # the call runs replicated, and says so if q was in fact sharded.
+        spec = ()
+        if warn and not q_sharding.is_fully_replicated:
+            _warn_once(
+                f"jax_flash.{name}: q's sharding {q_sharding} names no mesh axes, so q, k and v "
+                "are all-gathered; shard them with a NamedSharding to partition the call"
+            )
     spec = spec + (None,) * (rank - len(spec))
     lead, seq, heads, head_dim = spec[: call.lead], spec[call.lead], spec[-2], spec[-1]
     axis_kind = "packed-token" if call.packed else "sequence"
@@ -194,9 +204,13 @@ def _op(call: _Call, aux_type) -> Callable:
         return _shardings(call, mesh, arg_shapes, warn=False)[1]
 
     partitioned = custom_partitioning(functools.partial(_local_call, call, aux_type))
-    partitioned.def_partition(
-        partition, infer_sharding_from_operands=infer, sharding_rule=_rule(call)
-    )
+    try:
+        partitioned.def_partition(
+            partition, infer_sharding_from_operands=infer, sharding_rule=_rule(call)
+        )
+    except TypeError:
+        # A JAX without the GSPMD partitioner may no longer take its inference callback.
+        partitioned.def_partition(partition, sharding_rule=_rule(call))
 
     @jax.custom_batching.custom_vmap
     def op(*operands):
