@@ -118,13 +118,15 @@ def _layout(call: _Call, mesh, q_sharding, *, warn: bool):
     if isinstance(q_sharding, NamedSharding):
         spec = tuple(q_sharding.spec)
     else:
-        # Without a mesh to read it against (no NamedSharding), q's sharding has no axis names:
-        # the call runs replicated, and says so if q was in fact sharded.
+        # Without a mesh to read it against (no NamedSharding; e.g. inside a shard_map that
+        # leaves some mesh axes automatic), q's sharding has no axis names: the call runs
+        # replicated over them, and says so if q was in fact sharded.
         spec = ()
         if warn and not q_sharding.is_fully_replicated:
             _warn_once(
                 f"jax_flash.{name}: q's sharding {q_sharding} names no mesh axes, so q, k and v "
-                "are all-gathered; shard them with a NamedSharding to partition the call"
+                "are all-gathered; shard them with a NamedSharding, and inside shard_map make "
+                "every mesh axis manual (e.g. in_specs P('data', 'sp'))"
             )
     spec = spec + (None,) * (rank - len(spec))
     lead, seq, heads, head_dim = spec[: call.lead], spec[call.lead], spec[-2], spec[-1]
