@@ -3,6 +3,8 @@ sequence: forward, lse and gradients, for both layouts, causal and not, GQA/MQA,
 that tile unevenly, windows and segment ids; the compiled HLO holds collective-permutes of
 key/value-shaped blocks and nothing else; the zigzag layout balances causal work."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from conftest import (
     f64,
     make_qkv,
     normal,
+    rel_l2,
     segments_from_lengths,
     stats_dtype,
     visibility,
@@ -222,3 +225,35 @@ def test_errors():
         jax_flash.ring_attention(x, x, x, axis_name="sp")
     with pytest.raises(TypeError, match="causal must be a Python bool"):
         _call_in_shard_map(causal=1)
+
+
+def test_ring_beside_data_parallelism(rng):
+    # A shard_map manual over both mesh axes: batch over "data", the ring over "sp".
+    m = mesh((2, 4), ("data", "sp"))
+    q, k, v = make_qkv(rng, batch=4, seqlen_q=40, seqlen_k=40, heads_q=2, head_dim=16)
+    spec = P("data", "sp")
+    ring = jax.shard_map(
+        lambda q, k, v: jax_flash.ring_attention(
+            q, k, v, axis_name="sp", causal=True, layout="zigzag"
+        ),
+        mesh=m, in_specs=(spec,) * 3, out_specs=spec,
+    )  # fmt: skip
+    dout = normal(rng, q.shape, q.dtype)
+
+    def vjp(attn):
+        def f(q, k, v, dout):
+            out, pullback = jax.vjp(attn, q, k, v)
+            return out, pullback(dout)
+
+        return f
+
+    zig = [jax_flash.to_zigzag(x, 4) for x in (q, k, v, dout)]
+    found = collectives(vjp(ring), *zig)
+    assert {op for op, _ in found} == {"collective-permute"}, found
+    out, grads = jax.jit(vjp(ring))(*zig)
+    single = vjp(functools.partial(jax_flash.attention, causal=True))
+    ref_out, ref_grads = jax.jit(single)(q, k, v, dout)
+    for name, got, want in zip(
+        ("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads), strict=True
+    ):
+        assert rel_l2(jax_flash.from_zigzag(got, 4), want) <= 1e-5, name
