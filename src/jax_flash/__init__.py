@@ -2,6 +2,14 @@
 
 from jax_flash import reference
 from jax_flash.attention import attention, attention_varlen
+from jax_flash.ring import from_zigzag, ring_attention, to_zigzag
 
-__all__ = ["attention", "attention_varlen", "reference"]
+__all__ = [
+    "attention",
+    "attention_varlen",
+    "from_zigzag",
+    "reference",
+    "ring_attention",
+    "to_zigzag",
+]
 __version__ = "0.1.0"
