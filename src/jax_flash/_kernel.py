@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flash import _ffi
+from jax_flash._autodiff import not_differentiable
 
 # Head dims the CUDA tensor-core kernels are compiled for (cpp/cuda/kernels.h). Other head dims
 # are zero-padded up to the next one: zero columns change neither Q K^T nor the kept columns of O.
@@ -182,6 +183,7 @@ def _bwd_cuda(q, k, v, dout, lse, delta, aux, *, spec):
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim]
 
 
+@not_differentiable
 def _forward(q, k, v, aux, spec):
     return jax.lax.platform_dependent(
         q,
@@ -193,6 +195,7 @@ def _forward(q, k, v, aux, spec):
     )
 
 
+@not_differentiable
 def _backward(q, k, v, dout, lse, delta, aux, spec):
     return jax.lax.platform_dependent(
         q,

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash import _checks, _ffi
+from jax_flash._autodiff import reject_forward_mode
 from jax_flash._kernel import Aux, Spec, flash, stats_dtype
 from jax_flash.reference import Window
 
@@ -110,7 +111,8 @@ def dense_attention(
     """:func:`attention` with the band's diagonal as a parameter, for the package's other entry
     points: offset = (seqlen_k - seqlen_q if bottom_right else 0) + diagonal_shift, a static int
     with |diagonal_shift| <= 2^31. ``name`` is the entry point the error messages name."""
-    _checks.check_inputs(q, k, v)
+    _checks.check_inputs(q, k, v, name)
+    reject_forward_mode(name, q, k, v, sinks)
     return_lse = _checks.check_bool(name, "return_lse", return_lse)
     bottom_right = _checks.check_bool(name, "bottom_right", bottom_right)
     diagonal_shift = _checks.check_diagonal_shift(name, diagonal_shift)
@@ -168,6 +170,7 @@ def attention_varlen(
     """
     name = "attention_varlen"
     _checks.check_varlen_inputs(q, k, v)
+    reject_forward_mode(name, q, k, v, sinks)
     return_lse = _checks.check_bool(name, "return_lse", return_lse)
     max_q = _checks.check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_k = _checks.check_max_seqlen("max_seqlen_k", max_seqlen_k)
