@@ -1,7 +1,15 @@
 """jax_flash: exact FlashAttention for JAX, as XLA FFI custom calls on CUDA GPUs and CPUs."""
 
 from jax_flash import reference
+from jax_flash._autodiff import ForwardModeError
 from jax_flash.attention import attention, attention_varlen
+from jax_flash.dot_product_attention import dot_product_attention
 
-__all__ = ["attention", "attention_varlen", "reference"]
+__all__ = [
+    "ForwardModeError",
+    "attention",
+    "attention_varlen",
+    "dot_product_attention",
+    "reference",
+]
 __version__ = "0.1.0"
