@@ -3,12 +3,14 @@
 from jax_flash import reference
 from jax_flash._autodiff import ForwardModeError
 from jax_flash.attention import attention, attention_varlen
+from jax_flash.capabilities import capabilities
 from jax_flash.dot_product_attention import dot_product_attention
 
 __all__ = [
     "ForwardModeError",
     "attention",
     "attention_varlen",
+    "capabilities",
     "dot_product_attention",
     "reference",
 ]

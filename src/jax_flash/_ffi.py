@@ -6,7 +6,7 @@ import functools
 
 import jax
 
-from jax_flash import _jax_flash
+from jax_flash import _compat, _jax_flash
 
 FWD_CPU = "jax_flash_fwd_cpu"
 BWD_CPU = "jax_flash_bwd_cpu"
@@ -14,6 +14,10 @@ FWD_CUDA = "jax_flash_fwd_cuda"
 BWD_CUDA = "jax_flash_bwd_cuda"
 
 HAS_CUDA: bool = bool(_jax_flash.has_cuda)
+BUILT_FFI_API: tuple[int, int] = tuple(_jax_flash.xla_ffi_api_version)
+
+# Before anything is registered: a handler XLA refuses would break the backend for the process.
+_compat.check(BUILT_FFI_API, _jax_flash.built_with_jax, _jax_flash.built_with_jaxlib)
 
 for _name, (_capsule, _platform) in _jax_flash.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform=_platform)
