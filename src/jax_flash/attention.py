@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,38 @@ def _spec(name, head_dim, *, causal, softmax_scale, window, softcap, **extra) ->
         softcap=_checks.check_softcap(name, softcap),
         **extra,
     )
+
+
+@overload
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = ...,
+    softmax_scale: float | None = ...,
+    window: Window = ...,
+    softcap: float | None = ...,
+    segment_ids: jax.Array | Sequence[jax.Array] | None = ...,
+    sinks: jax.Array | None = ...,
+    return_lse: Literal[False] = ...,
+) -> jax.Array: ...
+
+
+@overload
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = ...,
+    softmax_scale: float | None = ...,
+    window: Window = ...,
+    softcap: float | None = ...,
+    segment_ids: jax.Array | Sequence[jax.Array] | None = ...,
+    sinks: jax.Array | None = ...,
+    return_lse: Literal[True],
+) -> tuple[jax.Array, jax.Array]: ...
 
 
 def attention(
@@ -132,6 +165,44 @@ def dense_attention(
     aux = Aux(q_segment_ids=q_ids, kv_segment_ids=kv_ids, sinks=sinks)
     out, lse = flash(q, k, v, aux, spec)
     return (out, lse) if return_lse else out
+
+
+@overload
+def attention_varlen(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    *,
+    max_seqlen_q: int | None = ...,
+    max_seqlen_k: int | None = ...,
+    causal: bool = ...,
+    softmax_scale: float | None = ...,
+    window: Window = ...,
+    softcap: float | None = ...,
+    sinks: jax.Array | None = ...,
+    return_lse: Literal[False] = ...,
+) -> jax.Array: ...
+
+
+@overload
+def attention_varlen(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    *,
+    max_seqlen_q: int | None = ...,
+    max_seqlen_k: int | None = ...,
+    causal: bool = ...,
+    softmax_scale: float | None = ...,
+    window: Window = ...,
+    softcap: float | None = ...,
+    sinks: jax.Array | None = ...,
+    return_lse: Literal[True],
+) -> tuple[jax.Array, jax.Array]: ...
 
 
 def attention_varlen(
