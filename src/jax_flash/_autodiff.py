@@ -18,10 +18,13 @@ from typing import Any
 
 import jax
 
-try:  # The tracer class of forward mode; re-exported by jax.interpreters.ad since long ago.
+try:  # The tracer class of forward mode, re-exported by jax.interpreters.ad.
     from jax.interpreters.ad import JVPTracer as _JVPTracer
-except ImportError:  # pragma: no cover - a JAX without it just gets JAX's own error
-    _JVPTracer = None
+except ImportError:  # pragma: no cover - depends on the JAX release
+    try:
+        from jax._src.interpreters.ad import JVPTracer as _JVPTracer
+    except ImportError:  # a JAX without it just gets JAX's own error
+        _JVPTracer = None
 
 SUPPORTED = (
     "reverse mode of first order works: jax.grad, jax.value_and_grad, jax.vjp, jax.jacrev and "
@@ -47,7 +50,9 @@ def reject_forward_mode(fn: str, *arrays: Any) -> None:
     so this refuses exactly ``jax.jvp``/``jax.jacfwd``. With the older JVP-then-partial-eval
     linearization, reverse mode uses them too, and the check stands aside.
     """
-    if _JVPTracer is None or not jax.config.jax_use_direct_linearize:
+    # Releases that dropped the flag linearize directly, always.
+    direct = getattr(jax.config, "jax_use_direct_linearize", True)
+    if _JVPTracer is None or not direct:
         return
     for x in arrays:
         if isinstance(x, _JVPTracer):
