@@ -64,7 +64,8 @@ def test_report_contents():
             assert gpu["kernels"]["bfloat16"][256]["backward"] == "mma.sync"
 
 
-def test_module_command():
+def test_module_command(tmp_path):
+    # From a directory without the source tree, as an installed package is used.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([SITE, os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run(
         [sys.executable, "-m", "jax_flash", "--budget", "0"],
@@ -72,6 +73,7 @@ def test_module_command():
         text=True,
         timeout=180,
         env=env,
+        cwd=tmp_path,
     )
     assert run.returncode == 0, run.stderr
     text = run.stdout
@@ -86,6 +88,7 @@ def test_module_command():
         text=True,
         timeout=180,
         env=env,
+        cwd=tmp_path,
     )
     assert as_json.returncode == 0, as_json.stderr
     assert json.loads(as_json.stdout)["version"] == jax_flash.__version__

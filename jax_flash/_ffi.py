@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import jax
 
-from jax_flash import _compat, _jax_flash
+from jax_flash import _compat
+
+try:
+    from jax_flash import _jax_flash
+except ImportError as exc:
+    raise ImportError(
+        f"jax_flash was imported from {Path(__file__).resolve().parent}, which has no compiled "
+        "native module (_jax_flash): this is the source tree, not an installed build. Install "
+        "it (pip install .) and run from another directory than the repository root."
+    ) from exc
 
 FWD_CPU = "jax_flash_fwd_cpu"
 BWD_CPU = "jax_flash_bwd_cpu"
