@@ -26,6 +26,13 @@ bool CpuHasAvx2Build() {
 
 }  // namespace
 
+const char* simd_level() {
+#ifdef JAX_FLASH_CPU_HAS_AVX2_BUILD
+  if (CpuHasAvx2Build()) return "avx2";
+#endif
+  return "generic";
+}
+
 void attention_fwd(const FwdParams& params, DType dtype, const ParallelFor& parallel_for) {
 #ifdef JAX_FLASH_CPU_HAS_AVX2_BUILD
   if (CpuHasAvx2Build()) return avx2::AttentionForward(params, dtype, parallel_for);

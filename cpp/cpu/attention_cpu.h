@@ -17,4 +17,8 @@ void attention_fwd(const FwdParams& params, DType dtype, const ParallelFor& para
 // dq_accum is ignored (nullptr). Deterministic: no atomics.
 void attention_bwd(const BwdParams& params, DType dtype, const ParallelFor& parallel_for);
 
+// The build of the kernels this CPU runs: "avx2" (AVX2 + FMA + F16C) or "generic" (SSE2 on
+// x86-64, NEON on AArch64, scalar code elsewhere).
+const char* simd_level();
+
 }  // namespace jax_flash::cpu

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flash import _ffi, sharding
+from jax_flash._autodiff import not_differentiable
 
 # Head dims the CUDA tensor-core kernels are compiled for (cpp/cuda/kernels.h). Other head dims
 # are zero-padded up to the next one: zero columns change neither Q K^T nor the kept columns of O.
@@ -209,8 +210,20 @@ def _backward_local(q, k, v, dout, lse, delta, aux, spec):
 
 # The kernel calls as the partitioner sees them: under jit they shard over batch and heads with
 # no collective (sharding.py).
-_forward = sharding.partitioned("forward", _forward_local)
-_backward = sharding.partitioned("backward", _backward_local)
+_forward_sharded = sharding.partitioned("forward", _forward_local)
+_backward_sharded = sharding.partitioned("backward", _backward_local)
+
+
+# Differentiating a kernel call itself (a derivative of the custom VJP) raises jax_flash's error
+# before the partitioner's own.
+@not_differentiable
+def _forward(q, k, v, aux, spec):
+    return _forward_sharded(q, k, v, aux, spec)
+
+
+@not_differentiable
+def _backward(q, k, v, dout, lse, delta, aux, spec):
+    return _backward_sharded(q, k, v, dout, lse, delta, aux, spec)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
