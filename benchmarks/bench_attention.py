@@ -11,7 +11,9 @@ implementation="cudnn" and "xla", plus the compiled temp memory of one long sequ
 GPU it runs a small fp32 grid against XLA on the CPU (about 2-3 minutes on 2 cores).
 
 Writes <out>/attention_<gpu|cpu>[_quick].md (tables), .csv (one row per implementation and
-cell), _memory.csv and .png (rate vs seqlen), and prints one line per measured cell.
+cell), _memory.csv and .png (rate vs seqlen), and prints one line per measured cell. <out> is
+--out, by default a scratch folder (jax_flash_bench in the system temp directory); --out
+benchmarks/results updates the committed results.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import dataclasses
 import inspect
 import itertools
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -65,7 +68,9 @@ import jax_flash
 
 DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32"}
 IMPL_NAMES = ("jax_flash", "cudnn", "xla")
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+# A scratch folder, so that a plain run never overwrites the committed results in
+# benchmarks/results (pass --out benchmarks/results to update those).
+DEFAULT_OUT = Path(tempfile.gettempdir()) / "jax_flash_bench"
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, bool], jax.Array]
 
@@ -417,7 +422,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--iters", help="back-to-back calls per repeat, or 'auto' (default: 20 GPU, auto CPU)"
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help=f"results directory (default: the scratch folder {DEFAULT_OUT})",
+    )
     parser.add_argument("--name", help="file name stem (default attention_<grid>[_quick])")
     parser.add_argument("--dry-run", action="store_true", help="list the cells and exit")
     parser.add_argument(

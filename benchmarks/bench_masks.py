@@ -29,7 +29,8 @@ libdew_flash_attn3.so.xz, as shared/ANCHORS.md describes; without one its column
 and the report says why.
 
 Writes <out>/masks_<gpu|cpu>[_quick].md (tables) and .csv (one row per implementation and cell),
-and prints one line per measured cell.
+and prints one line per measured cell. <out> is --out, by default a scratch folder (jax_flash_bench
+in the system temp directory); --out benchmarks/results updates the committed results.
 """
 
 from __future__ import annotations
@@ -88,7 +89,9 @@ from _timing import (
 import jax_flash
 from jax_flash import reference
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+# A scratch folder, so that a plain run never overwrites the committed results in
+# benchmarks/results (pass --out benchmarks/results to update those).
+DEFAULT_OUT = Path(tempfile.gettempdir()) / "jax_flash_bench"
 STANDARD_TOKENS = 16384  # the standard grid's tokens per cell; the GPU cells scale with it
 # Keys one query of the sliding window sees, itself included: window=(WINDOW_KEYS - 1, 0). This
 # is cuDNN's sliding_window_length, which jax.nn derives as local_window_size[0] + 1.
@@ -1198,7 +1201,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--iters", help="back-to-back calls per repeat, or 'auto' (default: 20 GPU, auto CPU)"
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help=f"results directory (default: the scratch folder {DEFAULT_OUT})",
+    )
     parser.add_argument("--name", help="file name stem (default masks_<gpu|cpu>[_quick])")
     parser.add_argument("--dry-run", action="store_true", help="list the cells and exit")
     parser.add_argument(

@@ -18,7 +18,9 @@ from __future__ import annotations
 import functools
 import math
 import re
+import sys
 import zlib
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -30,10 +32,33 @@ jax.config.update("jax_enable_x64", True)
 # layers around the kernel) must be exact float32 for the 1e-5 tolerances to mean anything.
 jax.config.update("jax_default_matmul_precision", "highest")
 
-import jax_flash  # noqa: E402
+
+def _import_installed_jax_flash():
+    """The installed jax_flash, never the uncompiled package at the repository root: ``python -m
+    pytest`` puts the working directory first on sys.path, so it is taken off before the import,
+    and a jax_flash without its native module is refused with instructions."""
+    root = Path(__file__).resolve().parent.parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != root]
+    try:
+        import jax_flash
+        from jax_flash import _jax_flash  # noqa: F401
+    except ImportError as exc:
+        pytest.exit(
+            f"the tests need an installed jax_flash build (pip install . from {root}); "
+            f"importing it failed: {exc}",
+            returncode=4,
+        )
+    return jax_flash
+
+
+jax_flash = _import_installed_jax_flash()
 from jax_flash.reference import attention_reference, attention_varlen_reference  # noqa: E402
 
 BACKEND = jax.default_backend()
+
+# tests/multidevice needs 8 devices; with fewer, test_multidevice.py runs it in a process of its
+# own on 8 virtual CPU devices.
+collect_ignore = [] if jax.device_count() >= 8 else ["multidevice"]
 ON_GPU = BACKEND == "gpu"
 
 ALL_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)

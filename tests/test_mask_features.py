@@ -350,6 +350,22 @@ def test_combined_long(rng, dtype):
     )
 
 
+@pytest.mark.parametrize(
+    "head_dim, dtype",
+    [(64, jnp.bfloat16), (128, jnp.bfloat16), (128, jnp.float16)],
+    ids=["64-bfloat16", "128-bfloat16", "128-float16"],
+)
+def test_segment_ids_long_row(rng, head_dim, dtype):
+    # A packed causal row longer than 32 query tiles of 64 rows per key tile, with GQA: the GPU
+    # backward decides the query tiles of each key tile 32 at a time, and restarts per query head.
+    ids = segments_from_lengths([900, 3, 1400, 64, 330])
+    q, k, v = make_qkv(
+        rng, batch=1, seqlen_q=2697, seqlen_k=2697, heads_q=4, heads_kv=2, head_dim=head_dim,
+        dtype=dtype,
+    )  # fmt: skip
+    check_features(rng, q, k, v, segment_ids=ids, causal=True)
+
+
 # ----------------------------------------------------------------------------------------------
 # Skipped and unmasked tiles give what the masked path gives.
 

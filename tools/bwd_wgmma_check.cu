@@ -2,7 +2,8 @@
 // (cpp/cuda/bwd_wgmma.*), independent of JAX. Needs an sm_90 GPU.
 //
 // Build (from the repository root):
-//   nvcc -std=c++17 -O3 -I cpp -gencode=arch=compute_90a,code=sm_90a tools/bwd_wgmma_check.cu \
+//   nvcc -std=c++17 -O3 -I cpp -gencode=arch=compute_90a,code=sm_90a -DJAX_FLASH_BUILT_SM90A=1 \
+//       tools/bwd_wgmma_check.cu \
 //       cpp/cuda/bwd_wgmma.cu cpp/cuda/sm90_host.cu -o bwd_wgmma_check
 // Run: ./bwd_wgmma_check [--quick]   (--quick: correctness only, no timing)
 //

@@ -9,6 +9,16 @@ mkdir -p "$out"
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(build test sanitize bench)
 export PYTHONUNBUFFERED=1
+# The test suite's time is XLA compilation: no GEMM autotuning (the references' matmuls need no
+# tuned algorithm to be exact), and one persistent compilation cache that the pytest workers share,
+# so a program one worker compiled is loaded by the others. Test stages only: the benchmarks keep
+# XLA's defaults.
+test_env=(
+  XLA_PYTHON_CLIENT_PREALLOCATE=false
+  "XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
+  "JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_flash_jit_cache}"
+  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+)
 # Hopper only here: one -gencode halves the compile time of a device session.
 gencode="-gencode=arch=compute_90a,code=sm_90a"
 status=0
@@ -34,7 +44,8 @@ kernel_check() {
   local name=$1 driver=$2 kernel=$3
   mkdir -p build
   # shellcheck disable=SC2086
-  run_stage "$name-build" nvcc -std=c++17 -O3 -lineinfo -I cpp $gencode "$driver" "$kernel" \
+  run_stage "$name-build" nvcc -std=c++17 -O3 -lineinfo -I cpp $gencode -DJAX_FLASH_BUILT_SM90A=1 \
+    "$driver" "$kernel" \
     cpp/cuda/sm90_host.cu -o "build/$name" &&
     { run_stage "$name" timeout 120 "build/$name" ||
       run_stage "$name-memcheck" timeout 120 compute-sanitizer --tool memcheck --print-limit 20 \
@@ -60,13 +71,13 @@ for stage in "${expanded[@]}"; do
     test | test-all)
       # The suite is dominated by compiling small programs, so it runs in 8 processes sharing the
       # GPU; each takes memory as it needs it instead of XLA's default 75% up front.
-      XLA_PYTHON_CLIENT_PREALLOCATE=false run_stage test timeout "${TEST_TIMEOUT:-420}" \
-        python3 -m pytest -q -rs -n "${TEST_WORKERS:-8}" --durations=10 tests
+      run_stage test env "${test_env[@]}" timeout "${TEST_TIMEOUT:-420}" \
+        python3 -m pytest -q -rs -n "${TEST_WORKERS:-8}" --durations=10 ${TEST_ARGS:-tests}
       ;;
     test-mma)
       # The mma.sync family, which sm_90 otherwise runs only for the head_dim-256 backward, over
       # the half-precision tests.
-      JAX_FLASH_CUDA_FAMILY=mma XLA_PYTHON_CLIENT_PREALLOCATE=false run_stage test-mma \
+      run_stage test-mma env "${test_env[@]}" JAX_FLASH_CUDA_FAMILY=mma \
         timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -rs -n "${TEST_WORKERS:-8}" \
         -k "${TEST_MMA_FILTER:-float16 or bfloat16}" tests
       ;;

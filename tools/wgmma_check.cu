@@ -2,7 +2,8 @@
 // independent of JAX and of the default dispatch. Needs an sm_90 GPU.
 //
 // Build (from the repository root):
-//   nvcc -std=c++17 -O3 -I cpp -gencode=arch=compute_90a,code=sm_90a tools/wgmma_check.cu \
+//   nvcc -std=c++17 -O3 -I cpp -gencode=arch=compute_90a,code=sm_90a -DJAX_FLASH_BUILT_SM90A=1 \
+//       tools/wgmma_check.cu \
 //       cpp/cuda/fwd_wgmma.cu cpp/cuda/sm90_host.cu -o wgmma_check
 // Run: ./wgmma_check [--quick]   (--quick: a few small cases, no timing; for compute-sanitizer)
 //

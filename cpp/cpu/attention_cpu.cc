@@ -103,6 +103,12 @@ const IsaChoice& isa_choice() {
   return choice;
 }
 
+std::string simd_level() {
+  const IsaChoice& choice = isa_choice();
+  if (!choice.error.empty()) return "none (" + choice.error + ")";
+  return isa_name(choice.isa);
+}
+
 void attention_fwd(const FwdParams& params, DType dtype, const ParallelFor& parallel_for) {
   switch (isa_choice().isa) {
 #ifdef JAX_FLASH_CPU_HAS_X86_BUILDS

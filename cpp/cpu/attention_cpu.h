@@ -39,4 +39,8 @@ void attention_fwd(const FwdParams& params, DType dtype, const ParallelFor& para
 // dq_accum is ignored (nullptr). Deterministic: no atomics.
 void attention_bwd(const BwdParams& params, DType dtype, const ParallelFor& parallel_for);
 
+// The build of the kernels this process runs, by isa_name() ("avx512", "avx2" or "generic"), or
+// "none (<reason>)" when JAX_FLASH_CPU_ISA is refused; for reports, never an exception.
+std::string simd_level();
+
 }  // namespace jax_flash::cpu

@@ -18,8 +18,8 @@ namespace {
 using sm90::aligned;
 using sm90::BwdWgmmaArgs;
 using sm90::BwdWgmmaTraits;
-using sm90::current_device_is_sm90;
 using sm90::encode_bshd;
+using sm90::sm90a_kernels_usable;
 
 constexpr int kBlockM = 64;
 constexpr int kBlockN = 128;
@@ -167,11 +167,11 @@ cudaError_t dispatch_head_dim(const BwdParams& p, CUtensorMapDataType type, cuda
 }  // namespace
 
 bool bwd_wgmma_supported(const BwdParams& params, DType dtype) {
-  return features_supported(params) && params_supported(params, dtype) && current_device_is_sm90();
+  return features_supported(params) && params_supported(params, dtype) && sm90a_kernels_usable();
 }
 
 cudaError_t bwd_wgmma(const BwdParams& params, DType dtype, cudaStream_t stream) {
-  if (!current_device_is_sm90() || !features_supported(params)) return cudaErrorNotSupported;
+  if (!sm90a_kernels_usable() || !features_supported(params)) return cudaErrorNotSupported;
   if (!params_supported(params, dtype)) return cudaErrorInvalidValue;
   if (params.layout.rows_q() == 0 && params.layout.rows_k() == 0) return cudaSuccess;
   if (dtype == DType::kBF16) {

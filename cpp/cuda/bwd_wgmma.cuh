@@ -484,58 +484,76 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       mbar_arrive(bar_kv);
     }
     int slot = 0;
-    for (int it = 0; it < n_iters; ++it) {
+    // The pairs of each query head, in query-tile order. Each lane decides one of 32 consecutive
+    // query tiles and a ballot gathers the visited ones, so a key tile that shares its segment
+    // with few query tiles (one document of a packed row) pays one round of chunk-range loads per
+    // 32 tiles it skips, not one per tile.
+    const int64_t q_chunks = (args.seg_stride_q + kSegmentChunk - 1) / kSegmentChunk;
+    const int32_t* const q_ranges =
+        segments ? args.segments.q_ranges + ct.span.batch * q_chunks * 2 : nullptr;
+    for (int it = 0; it < n_iters;) {
       const int head = ct.head_kv * args.group + it / ct.num_m;
-      const int m0 = (ct.m_first + it % ct.num_m) * kBlockM;
-      const int64_t q_chunks = (args.seg_stride_q + kSegmentChunk - 1) / kSegmentChunk;
-      const int32_t* const q_ranges =
-          segments ? args.segments.q_ranges + ct.span.batch * q_chunks * 2 : nullptr;
-      const BwdPair pr = bwd_pair<kBlockM, kBlockN>(ct, m0, segments, q_ranges, varlen);
-      if (pr.flags < 0) continue;
-      const int rows = pr.rows;
-      const int flags = pr.flags;
+      // This round: query tiles [window, window + count) of the head (never the next head's).
+      const int window = it % ct.num_m;
+      const int count = min(32, ct.num_m - window);
+      it += count;
+      int lane_flags = -1;
+      if (lane < count) {
+        lane_flags = bwd_pair<kBlockM, kBlockN>(ct, (ct.m_first + window + lane) * kBlockM,
+                                                segments, q_ranges, varlen)
+                         .flags;
+      }
+      uint32_t visit = __ballot_sync(0xffffffffu, lane_flags >= 0);
+      while (visit != 0) {
+        const int k = __ffs(static_cast<int>(visit)) - 1;
+        visit &= visit - 1;
+        const int m0 = (ct.m_first + window + k) * kBlockM;
+        const int rows =
+            ct.span.len_q - m0 < kBlockM ? static_cast<int>(ct.span.len_q - m0) : kBlockM;
+        const int flags = __shfl_sync(0xffffffffu, lane_flags, k);
 
-      const int stage = slot % kStages;
-      if (slot >= kStages) mbar_wait(bar_empty(stage), ((slot / kStages) + 1) & 1);
-      // Rows past the sequence and rows that saw no key (lse = -inf) get +inf, which makes
-      // P = 2^(s - inf) = 0 exactly; their delta is 0.
-      float* const lse_s = stage_lse(stage);
-      const int64_t stat_row = ct.span.stat_start + head * ct.span.stat_head + m0;
-      for (int r = lane; r < kBlockM; r += 32) {
-        float lse2 = CUDART_INF_F;
-        float dlt = 0.f;
-        if (r < rows) {
-          const float l = args.lse[stat_row + r];
-          if (l != -CUDART_INF_F) {
-            lse2 = l * kLog2e;
-            dlt = args.delta[stat_row + r];
+        const int stage = slot % kStages;
+        if (slot >= kStages) mbar_wait(bar_empty(stage), ((slot / kStages) + 1) & 1);
+        // Rows past the sequence and rows that saw no key (lse = -inf) get +inf, which makes
+        // P = 2^(s - inf) = 0 exactly; their delta is 0.
+        float* const lse_s = stage_lse(stage);
+        const int64_t stat_row = ct.span.stat_start + head * ct.span.stat_head + m0;
+        for (int r = lane; r < kBlockM; r += 32) {
+          float lse2 = CUDART_INF_F;
+          float dlt = 0.f;
+          if (r < rows) {
+            const float l = args.lse[stat_row + r];
+            if (l != -CUDART_INF_F) {
+              lse2 = l * kLog2e;
+              dlt = args.delta[stat_row + r];
+            }
+          }
+          lse_s[r] = lse2;
+          lse_s[kBlockM + r] = dlt;
+          if (kMasked && (flags & kPairSegments)) {
+            stage_qid(stage)[r] =
+                r < rows ? args.segments.q_ids[ct.span.batch * args.seg_stride_q + m0 + r] : 0;
           }
         }
-        lse_s[r] = lse2;
-        lse_s[kBlockM + r] = dlt;
-        if (kMasked && (flags & kPairSegments)) {
-          stage_qid(stage)[r] =
-              r < rows ? args.segments.q_ids[ct.span.batch * args.seg_stride_q + m0 + r] : 0;
-        }
-      }
-      if (lane == 0) {
-        BwdPairHeader* const h = stage_header(stage);
-        h->dq_offset = ((ct.span.q_start + m0) * args.heads_q + head) * int64_t{kD};
-        h->rows = rows;
-        h->flags = flags;
-        h->mask = ct.mask.tile(m0, ct.n0);
-        mbar_arrive_expect_tx(bar_full(stage), 2 * Tr::kQStageBytes);
+        if (lane == 0) {
+          BwdPairHeader* const h = stage_header(stage);
+          h->dq_offset = ((ct.span.q_start + m0) * args.heads_q + head) * int64_t{kD};
+          h->rows = rows;
+          h->flags = flags;
+          h->mask = ct.mask.tile(m0, ct.n0);
+          mbar_arrive_expect_tx(bar_full(stage), 2 * Tr::kQStageBytes);
 #pragma unroll
-        for (int p = 0; p < Tr::kPanels; ++p) {
-          tma_load_4d(q_smem + stage * Tr::kQStageBytes + p * Tr::kQPanelBytes, &tm_q,
-                      bar_full(stage), p * Tr::kPanelCols, head, q_row0() + m0, tma_batch());
-          tma_load_4d(do_smem + stage * Tr::kQStageBytes + p * Tr::kQPanelBytes, &tm_do,
-                      bar_full(stage), p * Tr::kPanelCols, head, q_row0() + m0, tma_batch());
+          for (int p = 0; p < Tr::kPanels; ++p) {
+            tma_load_4d(q_smem + stage * Tr::kQStageBytes + p * Tr::kQPanelBytes, &tm_q,
+                        bar_full(stage), p * Tr::kPanelCols, head, q_row0() + m0, tma_batch());
+            tma_load_4d(do_smem + stage * Tr::kQStageBytes + p * Tr::kQPanelBytes, &tm_do,
+                        bar_full(stage), p * Tr::kPanelCols, head, q_row0() + m0, tma_batch());
+          }
+        } else {
+          mbar_arrive(bar_full(stage));
         }
-      } else {
-        mbar_arrive(bar_full(stage));
+        ++slot;
       }
-      ++slot;
     }
     // The end header, in the next stage once the consumers released it.
     const int stage = slot % kStages;
@@ -750,6 +768,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           tc::pack2<T>(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
     }
   }
+#else
+  // A device pass without the sm_90a instructions (the host never launches it there).
+  __trap();
 #endif  // JAX_FLASH_SM90A
 }
 

@@ -13,11 +13,11 @@ namespace jax_flash::cuda {
 namespace {
 
 using sm90::aligned;
-using sm90::current_device_is_sm90;
 using sm90::encode_bshd;
 using sm90::FwdMask;
 using sm90::FwdWgmmaArgs;
 using sm90::FwdWgmmaTraits;
+using sm90::sm90a_kernels_usable;
 
 constexpr int64_t kIntMax = std::numeric_limits<int>::max();
 constexpr double kLog2e = 1.4426950408889634;
@@ -163,11 +163,11 @@ cudaError_t dispatch_head_dim(const FwdParams& p, CUtensorMapDataType type, cuda
 }  // namespace
 
 bool fwd_wgmma_supported(const FwdParams& params, DType dtype) {
-  return params_supported(params, dtype) && current_device_is_sm90();
+  return params_supported(params, dtype) && sm90a_kernels_usable();
 }
 
 cudaError_t fwd_wgmma(const FwdParams& params, DType dtype, cudaStream_t stream) {
-  if (!current_device_is_sm90()) return cudaErrorNotSupported;
+  if (!sm90a_kernels_usable()) return cudaErrorNotSupported;
   if (!params_supported(params, dtype)) return cudaErrorInvalidValue;
   if (params.layout.rows_q() == 0) return cudaSuccess;
   if (dtype == DType::kBF16) {

@@ -37,7 +37,8 @@
 #include "cuda/tc_primitives.cuh"
 
 // wgmma, setmaxnreg and the TMA tensor instructions used here exist only on the sm_90a target;
-// every other device pass (sm_80 in this build) compiles the kernel to an empty body.
+// every other device pass (sm_80 in this build) compiles the kernels to a trap, and the host
+// dispatches them only where the sm_90a code exists (sm90_host.h).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define JAX_FLASH_SM90A 1
 #else
@@ -1153,6 +1154,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
     }
   }
+#else
+  // A device pass without the sm_90a instructions (the host never launches it there).
+  __trap();
 #endif  // JAX_FLASH_SM90A
 }
 

@@ -30,7 +30,10 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 }  // namespace
 
-bool current_device_is_sm90() {
+bool sm90a_kernels_usable() {
+#ifndef JAX_FLASH_BUILT_SM90A
+  return false;
+#endif
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0) return false;
   if (device < kMaxDevices) {

@@ -12,8 +12,10 @@
 
 namespace jax_flash::cuda::sm90 {
 
-// True when the current device has compute capability 9.0 (read once per device).
-bool current_device_is_sm90();
+// True when this build holds the kernels' sm_90a code (JAX_FLASH_BUILT_SM90A, set by CMake from
+// the -gencode list) and the current device has compute capability 9.0 (read once per device).
+// Without sm_90a code the kernels compile to a trap, so they must not be dispatched.
+bool sm90a_kernels_usable();
 
 // Checks both Hopper families share: f16/bf16, non-negative batch and lengths, positive head counts
 // with heads_q a multiple of heads_kv, and a finite positive softmax scale.

@@ -8,6 +8,19 @@
 
 #include "cpu/attention_cpu.h"
 #include "ffi/handlers.h"
+#include "xla/ffi/api/c_api.h"
+
+// Set by CMake: the jax and jaxlib versions whose headers this module was compiled with, and the
+// nvcc -gencode flags of the CUDA kernels.
+#ifndef JAX_FLASH_BUILT_WITH_JAX
+#define JAX_FLASH_BUILT_WITH_JAX "unknown"
+#endif
+#ifndef JAX_FLASH_BUILT_WITH_JAXLIB
+#define JAX_FLASH_BUILT_WITH_JAXLIB "unknown"
+#endif
+#ifndef JAX_FLASH_CUDA_GENCODE_FLAGS
+#define JAX_FLASH_CUDA_GENCODE_FLAGS ""
+#endif
 
 namespace nb = nanobind;
 
@@ -33,6 +46,15 @@ NB_MODULE(_jax_flash, m) {
 #endif
     return out;
   });
+  // The XLA FFI API version of the headers the handlers were compiled against: XLA refuses
+  // handlers of another major version or a newer minor version than its own.
+  m.attr("xla_ffi_api_version") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+  m.attr("built_with_jax") = JAX_FLASH_BUILT_WITH_JAX;
+  m.attr("built_with_jaxlib") = JAX_FLASH_BUILT_WITH_JAXLIB;
+  m.attr("cuda_gencode") = JAX_FLASH_CUDA_GENCODE_FLAGS;
+  // The CPU kernels' level in use, for the capability report; never raises (a refused
+  // JAX_FLASH_CPU_ISA reads "none (<reason>)").
+  m.def("cpu_simd_level", []() { return jax_flash::cpu::simd_level(); });
   // The instruction-set build the CPU kernels of this process use (see cpu/attention_cpu.h);
   // raises ValueError when JAX_FLASH_CPU_ISA names an unknown level or one the CPU lacks.
   m.def("cpu_isa", []() -> std::string {

@@ -82,9 +82,8 @@ def _check_heads(fn: str, heads_q: int, heads_kv: int, head_dim: int, k_head_dim
         )
 
 
-def check_inputs(q: Any, k: Any, v: Any) -> None:
+def check_inputs(q: Any, k: Any, v: Any, fn: str = "attention") -> None:
     """Shapes [B, Sq, Hq, D] and [B, Sk, Hkv, D], one supported dtype, Hq a multiple of Hkv."""
-    fn = "attention"
     _check_tensors(fn, q, k, v, 4, "[batch, seq, heads, head_dim]")
     batch, _, heads_q, head_dim = q.shape
     if k.shape[0] != batch:

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _ffi
+from jax_flash import _ffi, sharding
+from jax_flash._autodiff import not_differentiable
 
 # Head dims the CUDA tensor-core kernels are compiled for (cpp/cuda/kernels.h). Other head dims
 # are zero-padded up to the next one: zero columns change neither Q K^T nor the kept columns of O.
@@ -182,7 +183,7 @@ def _bwd_cuda(q, k, v, dout, lse, delta, aux, *, spec):
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim]
 
 
-def _forward(q, k, v, aux, spec):
+def _forward_local(q, k, v, aux, spec):
     return jax.lax.platform_dependent(
         q,
         k,
@@ -193,7 +194,7 @@ def _forward(q, k, v, aux, spec):
     )
 
 
-def _backward(q, k, v, dout, lse, delta, aux, spec):
+def _backward_local(q, k, v, dout, lse, delta, aux, spec):
     return jax.lax.platform_dependent(
         q,
         k,
@@ -205,6 +206,24 @@ def _backward(q, k, v, dout, lse, delta, aux, spec):
         cpu=functools.partial(_bwd_cpu, spec=spec),
         cuda=functools.partial(_bwd_cuda, spec=spec),
     )
+
+
+# The kernel calls as the partitioner sees them: under jit they shard over batch and heads with
+# no collective (sharding.py).
+_forward_sharded = sharding.partitioned("forward", _forward_local)
+_backward_sharded = sharding.partitioned("backward", _backward_local)
+
+
+# Differentiating a kernel call itself (a derivative of the custom VJP) raises jax_flash's error
+# before the partitioner's own.
+@not_differentiable
+def _forward(q, k, v, aux, spec):
+    return _forward_sharded(q, k, v, aux, spec)
+
+
+@not_differentiable
+def _backward(q, k, v, dout, lse, delta, aux, spec):
+    return _backward_sharded(q, k, v, dout, lse, delta, aux, spec)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

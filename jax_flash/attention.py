@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal, overload
 
 import jax
 import jax.numpy as jnp
 
 from jax_flash import _checks, _ffi
+from jax_flash._autodiff import reject_forward_mode
 from jax_flash._kernel import Aux, Spec, flash, stats_dtype
 from jax_flash.reference import Window
 
@@ -38,6 +40,38 @@ def _spec(name, head_dim, *, causal, softmax_scale, window, softcap, **extra) ->
         softcap=_checks.check_softcap(name, softcap),
         **extra,
     )
+
+
+@overload
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = ...,
+    softmax_scale: float | None = ...,
+    window: Window = ...,
+    softcap: float | None = ...,
+    segment_ids: jax.Array | Sequence[jax.Array] | None = ...,
+    sinks: jax.Array | None = ...,
+    return_lse: Literal[False] = ...,
+) -> jax.Array: ...
+
+
+@overload
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = ...,
+    softmax_scale: float | None = ...,
+    window: Window = ...,
+    softcap: float | None = ...,
+    segment_ids: jax.Array | Sequence[jax.Array] | None = ...,
+    sinks: jax.Array | None = ...,
+    return_lse: Literal[True],
+) -> tuple[jax.Array, jax.Array]: ...
 
 
 def attention(
@@ -110,7 +144,8 @@ def dense_attention(
     """:func:`attention` with the band's diagonal as a parameter, for the package's other entry
     points: offset = (seqlen_k - seqlen_q if bottom_right else 0) + diagonal_shift, a static int
     with |diagonal_shift| <= 2^31. ``name`` is the entry point the error messages name."""
-    _checks.check_inputs(q, k, v)
+    _checks.check_inputs(q, k, v, name)
+    reject_forward_mode(name, q, k, v, sinks)
     return_lse = _checks.check_bool(name, "return_lse", return_lse)
     bottom_right = _checks.check_bool(name, "bottom_right", bottom_right)
     diagonal_shift = _checks.check_diagonal_shift(name, diagonal_shift)
@@ -130,6 +165,44 @@ def dense_attention(
     aux = Aux(q_segment_ids=q_ids, kv_segment_ids=kv_ids, sinks=sinks)
     out, lse = flash(q, k, v, aux, spec)
     return (out, lse) if return_lse else out
+
+
+@overload
+def attention_varlen(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    *,
+    max_seqlen_q: int | None = ...,
+    max_seqlen_k: int | None = ...,
+    causal: bool = ...,
+    softmax_scale: float | None = ...,
+    window: Window = ...,
+    softcap: float | None = ...,
+    sinks: jax.Array | None = ...,
+    return_lse: Literal[False] = ...,
+) -> jax.Array: ...
+
+
+@overload
+def attention_varlen(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    *,
+    max_seqlen_q: int | None = ...,
+    max_seqlen_k: int | None = ...,
+    causal: bool = ...,
+    softmax_scale: float | None = ...,
+    window: Window = ...,
+    softcap: float | None = ...,
+    sinks: jax.Array | None = ...,
+    return_lse: Literal[True],
+) -> tuple[jax.Array, jax.Array]: ...
 
 
 def attention_varlen(
@@ -168,6 +241,7 @@ def attention_varlen(
     """
     name = "attention_varlen"
     _checks.check_varlen_inputs(q, k, v)
+    reject_forward_mode(name, q, k, v, sinks)
     return_lse = _checks.check_bool(name, "return_lse", return_lse)
     max_q = _checks.check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_k = _checks.check_max_seqlen("max_seqlen_k", max_seqlen_k)
