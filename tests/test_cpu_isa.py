@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -62,8 +63,15 @@ def run_child(level: str | None) -> tuple[int, str]:
     env.pop("JAX_FLASH_CPU_ISA", None)
     if level is not None:
         env["JAX_FLASH_CPU_ISA"] = level
+    # Run outside the repository: from its root, `python -c` would import the source tree's
+    # jax_flash/ (no native module) instead of the installed build.
     done = subprocess.run(
-        [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", CHILD],
+        env=env,
+        cwd=tempfile.gettempdir(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     return done.returncode, done.stdout + done.stderr
 
