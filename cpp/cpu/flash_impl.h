@@ -39,7 +39,10 @@
 // small heap buffer (a few tiles: O(tile * head_dim)) that it reuses for all its tiles. When there
 // are too few blocks to occupy the thread pool (decoding, short key sequences), the inner loop is
 // split and the pieces' partial results go to one per-call buffer of O(splits * tile * head_dim)
-// per block, combined in a fixed order. Nothing is O(seqlen^2).
+// per block, combined in a fixed order. Each pass also packs the tensors its tiles read (K and V;
+// the dK/dV pass scaled Q and dO) into per-head panels in the compute type, one heap copy of each
+// per call (Panel below): O(seqlen * heads * head_dim), the size of the inputs in float32.
+// Nothing is O(seqlen^2).
 
 template <class T>
 struct VecOf;
@@ -294,6 +297,8 @@ struct SpanGroup {
   int64_t stat_base;  // of (head hk * G, position 0) in lse / delta
   int64_t key_base;   // of (k_start, hk, 0) in K / V / dK / dV
   int64_t sink_base;  // of (batch, head hk * G) in the sinks
+  int64_t key_row;    // row of key 0 in the K / V panels (Panels below)
+  int64_t group_row;  // row of row 0 in the Q / dO panels
   SeqMask band;
   // The sequence's segment ids and their chunk ranges; null without segment ids.
   const int32_t* q_ids = nullptr;
@@ -313,6 +318,8 @@ struct SpanGroup {
         stat_base(span.stat_start + hk * group * span.stat_head),
         key_base((span.k_start * shape.heads_kv + hk) * shape.head_dim),
         sink_base(span.batch * mask.sinks_batch_stride + hk * group),
+        key_row(hk * layout.rows_k() + span.k_start),
+        group_row((hk * layout.rows_q() + span.q_start) * group),
         band(mask.band.for_seq(span.len_q, span.len_k)) {
     if (mask.segments.enabled()) {
       // Segment ids come with dense batches only: sequence `batch` is row `batch` of each array.
@@ -548,28 +555,80 @@ void PackRowsTransposed(const S* base, const SpanGroup& g, int64_t r0, int64_t r
   for (int64_t d = 0; d < d_dim; ++d) std::fill(dst + d * ld + rows, dst + d * ld + padded, T(0));
 }
 
-// Rows [r0, r0 + rows) of a group, row-major into dst[r][d], multiplied by `scale`, head_dim
-// zero-padded to ld.
+// Tensors repacked once per call, in the compute type, into panels that hold each kv head's rows
+// contiguously: K and V as [heads_kv][rows_k][head_dim] for the forward and dQ passes, Q (times
+// the softmax scale) and dO as [heads_kv][rows_q * G][d_pad] in group-row order (head_dim
+// zero-padded to whole vectors) for the dK/dV pass. A tile is then a dense array the
+// micro-kernels read in place. Copying tiles out of the tensors instead, once per block that
+// visits them (64 times per head at seqlen 4k), took ~11% of the forward at head_dim 64 (the
+// softmax ~16%). In the tensors consecutive keys are heads * head_dim elements apart, often a
+// multiple of 4 KiB, which would put the micro-kernel's broadcast streams in the same few L1 sets.
+// O(N) memory: one more copy of each packed tensor.
+template <class T>
+class Panel {
+ public:
+  Panel(int64_t rows, int64_t width) : width_(width), data_(new T[rows * width]) {}
+  T* Row(int64_t r) { return data_.get() + r * width_; }
+  const T* Row(int64_t r) const { return data_.get() + r * width_; }
+
+ private:
+  int64_t width_;
+  // Uninitialised: the packing writes every element.
+  std::unique_ptr<T[]> data_;
+};
+
+// Packing runs over chunks of this many rows per kv head, in parallel.
+inline constexpr int64_t kPackChunk = 256;
+
+// K or V [rows_k, heads_kv, head_dim] as panel rows hk * rows_k + j.
 template <class T, class S>
-void PackRows(const S* base, const SpanGroup& g, int64_t r0, int64_t rows, T scale, T* dst,
-              int64_t ld) {
-  const int64_t d_dim = g.head_dim;
-  for (int64_t r = 0; r < rows; ++r) {
-    T* out = dst + r * ld;
-    LoadRow(base + g.RowOffset(r0 + r), d_dim, out);
-    for (int64_t d = 0; d < d_dim; ++d) out[d] *= scale;
-    std::fill(out + d_dim, out + ld, T(0));
-  }
+Panel<T> PackKeyPanel(const void* tensor, const SeqLayout& layout, const Shape& shape,
+                      const ParallelFor& parallel_for) {
+  const int64_t rows = layout.rows_k();
+  const int64_t d_dim = shape.head_dim;
+  const int64_t heads = shape.heads_kv;
+  Panel<T> panel(heads * rows, d_dim);
+  const int64_t chunks = CeilDiv(rows, kPackChunk);
+  const S* src = static_cast<const S*>(tensor);
+  parallel_for(heads * chunks, [&](int64_t t) {
+    const int64_t hk = t / chunks;
+    const int64_t j0 = (t - hk * chunks) * kPackChunk;
+    const int64_t j1 = std::min(rows, j0 + kPackChunk);
+    for (int64_t j = j0; j < j1; ++j) {
+      LoadRow(src + (j * heads + hk) * d_dim, d_dim, panel.Row(hk * rows + j));
+    }
+  });
+  return panel;
 }
 
-// A K or V tile [keys, head_dim] as a dense array. Consecutive keys are heads_kv * head_dim
-// elements apart in the tensor, often a multiple of 4 KiB, which would put the micro-kernel's
-// broadcast streams in the same few L1 sets; the copy (a conversion for f16/bf16) is cheap next
-// to the tile's arithmetic.
+// Q or dO [rows_q, heads_q, head_dim] as panel rows (hk * rows_q + i) * G + h for position i of
+// query head hk * G + h, times `scale`, zero-padded to d_pad.
 template <class T, class S>
-const T* CopyKeyTile(const S* src, int64_t src_ld, int64_t keys, int64_t d_dim, T* dst) {
-  for (int64_t j = 0; j < keys; ++j) LoadRow(src + j * src_ld, d_dim, dst + j * d_dim);
-  return dst;
+Panel<T> PackRowPanel(const void* tensor, T scale, const SeqLayout& layout, const Shape& shape,
+                      const ParallelFor& parallel_for) {
+  const int64_t positions = layout.rows_q();
+  const int64_t d_dim = shape.head_dim;
+  const int64_t d_pad = RoundUp(d_dim, kLanes<T>);
+  const int64_t group = shape.Group();
+  Panel<T> panel(shape.heads_q * positions, d_pad);
+  const int64_t chunks = CeilDiv(positions, kPackChunk);
+  const S* src = static_cast<const S*>(tensor);
+  parallel_for(shape.heads_kv * chunks, [&](int64_t t) {
+    const int64_t hk = t / chunks;
+    const int64_t i0 = (t - hk * chunks) * kPackChunk;
+    const int64_t i1 = std::min(positions, i0 + kPackChunk);
+    for (int64_t i = i0; i < i1; ++i) {
+      for (int64_t h = 0; h < group; ++h) {
+        T* out = panel.Row((hk * positions + i) * group + h);
+        LoadRow(src + (i * shape.heads_q + hk * group + h) * d_dim, d_dim, out);
+        if (scale != T(1)) {
+          for (int64_t d = 0; d < d_dim; ++d) out[d] *= scale;
+        }
+        std::fill(out + d_dim, out + d_pad, T(0));
+      }
+    }
+  });
+  return panel;
 }
 
 // A K or V tile [keys, head_dim] transposed into dst[d][j]; keys [keys, padded) are zeroed.
@@ -672,7 +731,7 @@ struct SoftmaxState {
 // from an empty state.
 template <class T, class S>
 void ForwardRows(const FwdParams& p, const RowBlock& blk, int64_t t0, int64_t t1,
-                 SoftmaxState<T> state) {
+                 const Panel<T>& k_panel, const Panel<T>& v_panel, SoftmaxState<T> state) {
   constexpr int64_t kL = kLanes<T>;
   constexpr int64_t ld = kRowTile;
   constexpr T kInf = std::numeric_limits<T>::infinity();
@@ -685,15 +744,10 @@ void ForwardRows(const FwdParams& p, const RowBlock& blk, int64_t t0, int64_t t1
   std::fill(state.sum, state.sum + ld, T(0));
   if (t0 >= t1) return;
 
-  const int64_t kv_ld = p.heads_kv * d_dim;
-  const S* k_base = static_cast<const S*>(p.k) + g.key_base;
-  const S* v_base = static_cast<const S*>(p.v) + g.key_base;
-  Workspace<T> ws({d_dim * ld, kKeyTile * ld, ld, kKeyTile * d_dim, kKeyTile * d_dim});
+  Workspace<T> ws({d_dim * ld, kKeyTile * ld, ld});
   T* qt = ws.Next();
   T* st = ws.Next();
   T* rescale = ws.Next();
-  T* k_tile = ws.Next();
-  T* v_tile = ws.Next();
   PackRowsTransposed(static_cast<const S*>(p.q) + g.row_base, g, blk.r0, rows, padded,
                      static_cast<T>(p.softmax_scale), qt, ld);
   int32_t row_ids[kRowTile];
@@ -705,8 +759,8 @@ void ForwardRows(const FwdParams& p, const RowBlock& blk, int64_t t0, int64_t t1
     const int64_t keys = blk.keys.Length(t);
     const TileMasks masks = g.Classify(blk.r0, rows, key0, keys);
     if (masks.skip) continue;
-    const T* kt = CopyKeyTile(k_base + key0 * kv_ld, kv_ld, keys, d_dim, k_tile);
-    const T* vt = CopyKeyTile(v_base + key0 * kv_ld, kv_ld, keys, d_dim, v_tile);
+    const T* kt = k_panel.Row(g.key_row + key0);
+    const T* vt = v_panel.Row(g.key_row + key0);
 
     Gemm<T, Update::kOverwrite>(keys, padded, d_dim, kt, d_dim, 1, qt, ld, st, ld);
     if (cap > 0) Softcap(cap, keys, padded, st, ld);
@@ -781,6 +835,8 @@ void Forward(const FwdParams& p, const ParallelFor& parallel_for) {
   const Blocks blocks(p.layout, shape.Group(), shape.heads_kv, /*keys=*/false, kRowTile);
   const Schedule sched(blocks,
                        [&](const Blocks::Block& b) { return RowBlock(p, shape, b).keys.Count(); });
+  const Panel<T> k_panel = PackKeyPanel<T, S>(p.k, p.layout, shape, parallel_for);
+  const Panel<T> v_panel = PackKeyPanel<T, S>(p.v, p.layout, shape, parallel_for);
   const int64_t state_size = SoftmaxState<T>::Size(d_dim);
   // Partial states of split blocks, [outer block][piece]; see the note at the top.
   std::vector<T> partials(sched.splits > 1 ? sched.Tasks() * state_size : 0);
@@ -791,12 +847,12 @@ void Forward(const FwdParams& p, const ParallelFor& parallel_for) {
     const auto [t0, t1] = sched.Piece(task.split, blk.keys.Count());
     if (sched.splits > 1) {
       T* state = partials.data() + sched.Slot(task) * state_size;
-      ForwardRows<T, S>(p, blk, t0, t1, {state, d_dim});
+      ForwardRows<T, S>(p, blk, t0, t1, k_panel, v_panel, {state, d_dim});
       return;
     }
     std::vector<T> state(static_cast<size_t>(state_size));
     const SoftmaxState<T> st(state.data(), d_dim);
-    ForwardRows<T, S>(p, blk, t0, t1, st);
+    ForwardRows<T, S>(p, blk, t0, t1, k_panel, v_panel, st);
     double max[kRowTile], sum[kRowTile];
     for (int64_t r = 0; r < blk.rows; ++r) {
       max[r] = st.max[r];
@@ -916,7 +972,8 @@ void SoftmaxGradRows(int64_t rows, int64_t padded, const T* lse, const T* delta,
 // Pass 1: dK, dV [keys, d_pad] of the block's keys from row tiles [t0, t1) of the rows that see
 // them, starting from zero.
 template <class T, class S>
-void BackwardKeys(const BwdParams& p, const KeyBlock& blk, int64_t t0, int64_t t1, T* dk, T* dv) {
+void BackwardKeys(const BwdParams& p, const KeyBlock& blk, int64_t t0, int64_t t1,
+                  const Panel<T>& q_panel, const Panel<T>& do_panel, T* dk, T* dv) {
   constexpr int64_t kL = kLanes<T>;
   constexpr int64_t ldk = kKeyTile;
   const SpanGroup& g = blk.g;
@@ -930,14 +987,9 @@ void BackwardKeys(const BwdParams& p, const KeyBlock& blk, int64_t t0, int64_t t
   if (t0 >= t1) return;
 
   const int64_t kv_ld = p.heads_kv * d_dim;
-  const S* q = static_cast<const S*>(p.q) + g.row_base;
-  const S* dout = static_cast<const S*>(p.dout) + g.row_base;
-  Workspace<T> ws({d_dim * ldk, d_dim * ldk, kRowTile * d_pad, kRowTile * d_pad, kRowTile * ldk,
-                   kRowTile * ldk, kRowTile, kRowTile});
+  Workspace<T> ws({d_dim * ldk, d_dim * ldk, kRowTile * ldk, kRowTile * ldk, kRowTile, kRowTile});
   T* kt = ws.Next();
   T* vt = ws.Next();
-  T* q_rows = ws.Next();
-  T* do_rows = ws.Next();
   T* s = ws.Next();
   T* dp = ws.Next();
   T* lse = ws.Next();
@@ -947,7 +999,6 @@ void BackwardKeys(const BwdParams& p, const KeyBlock& blk, int64_t t0, int64_t t
   PackKeysTransposed(k_src, kv_ld, keys, keys_pad, d_dim, kt, ldk);
   PackKeysTransposed(v_src, kv_ld, keys, keys_pad, d_dim, vt, ldk);
   // The Q rows carry the softmax scale: S = (scale Q) K^T and dK = dS^T (scale Q).
-  const T scale = static_cast<T>(p.softmax_scale);
   const T cap = static_cast<T>(p.mask.softcap);
   int32_t row_ids[kRowTile];
 
@@ -956,8 +1007,8 @@ void BackwardKeys(const BwdParams& p, const KeyBlock& blk, int64_t t0, int64_t t
     const int64_t rows = blk.rows.Length(t);
     const TileMasks masks = g.Classify(r0, rows, key0, keys);
     if (masks.skip) continue;
-    PackRows(q, g, r0, rows, scale, q_rows, d_pad);
-    PackRows(dout, g, r0, rows, T(1), do_rows, d_pad);
+    const T* q_rows = q_panel.Row(g.group_row + r0);
+    const T* do_rows = do_panel.Row(g.group_row + r0);
     LoadStats(p, g, r0, rows, rows, lse, delta);
 
     // Padding keys (zero K and V columns) get values in s and dp that no product reads.
@@ -981,7 +1032,8 @@ void BackwardKeys(const BwdParams& p, const KeyBlock& blk, int64_t t0, int64_t t
 // Pass 2: dQ^T [d][r] (without the softmax scale) of the block's rows from key tiles [t0, t1) of
 // the keys they see, starting from zero.
 template <class T, class S>
-void BackwardRows(const BwdParams& p, const RowBlock& blk, int64_t t0, int64_t t1, T* dqt) {
+void BackwardRows(const BwdParams& p, const RowBlock& blk, int64_t t0, int64_t t1,
+                  const Panel<T>& k_panel, const Panel<T>& v_panel, T* dqt) {
   constexpr int64_t kL = kLanes<T>;
   constexpr int64_t ld = kRowTile;
   const SpanGroup& g = blk.g;
@@ -992,19 +1044,13 @@ void BackwardRows(const BwdParams& p, const RowBlock& blk, int64_t t0, int64_t t
   std::fill(dqt, dqt + d_dim * ld, T(0));
   if (t0 >= t1) return;
 
-  const int64_t kv_ld = p.heads_kv * d_dim;
-  const S* k_base = static_cast<const S*>(p.k) + g.key_base;
-  const S* v_base = static_cast<const S*>(p.v) + g.key_base;
-  Workspace<T> ws({d_dim * ld, d_dim * ld, kKeyTile * ld, kKeyTile * ld, ld, ld, kKeyTile * d_dim,
-                   kKeyTile * d_dim});
+  Workspace<T> ws({d_dim * ld, d_dim * ld, kKeyTile * ld, kKeyTile * ld, ld, ld});
   T* qt = ws.Next();
   T* dot = ws.Next();
   T* st = ws.Next();
   T* dpt = ws.Next();
   T* lse = ws.Next();
   T* delta = ws.Next();
-  T* k_tile = ws.Next();
-  T* v_tile = ws.Next();
   PackRowsTransposed(static_cast<const S*>(p.q) + g.row_base, g, r0, rows, padded,
                      static_cast<T>(p.softmax_scale), qt, ld);
   PackRowsTransposed(static_cast<const S*>(p.dout) + g.row_base, g, r0, rows, padded, T(1), dot,
@@ -1019,8 +1065,8 @@ void BackwardRows(const BwdParams& p, const RowBlock& blk, int64_t t0, int64_t t
     const int64_t keys = blk.keys.Length(t);
     const TileMasks masks = g.Classify(r0, rows, key0, keys);
     if (masks.skip) continue;
-    const T* kt = CopyKeyTile(k_base + key0 * kv_ld, kv_ld, keys, d_dim, k_tile);
-    const T* vt = CopyKeyTile(v_base + key0 * kv_ld, kv_ld, keys, d_dim, v_tile);
+    const T* kt = k_panel.Row(g.key_row + key0);
+    const T* vt = v_panel.Row(g.key_row + key0);
     Gemm<T, Update::kOverwrite>(keys, padded, d_dim, kt, d_dim, 1, qt, ld, st, ld);
     if (cap > 0) Softcap(cap, keys, padded, st, ld);
     if (masks.Any()) MaskTransposed(g, masks, r0, rows, key0, keys, padded, row_ids, st, ld);
@@ -1075,6 +1121,9 @@ void Backward(const BwdParams& p, const ParallelFor& parallel_for) {
   // key row of the call is in some block, the keys of the packed padding span included, so every
   // row of dK and dV is written.
   {
+    const Panel<T> q_panel =
+        PackRowPanel<T, S>(p.q, static_cast<T>(p.softmax_scale), p.layout, shape, parallel_for);
+    const Panel<T> do_panel = PackRowPanel<T, S>(p.dout, T(1), p.layout, shape, parallel_for);
     const Blocks blocks(p.layout, shape.Group(), shape.heads_kv, /*keys=*/true, kKeyTile);
     const Schedule sched(
         blocks, [&](const Blocks::Block& b) { return KeyBlock(p, shape, b).rows.Count(); });
@@ -1082,7 +1131,7 @@ void Backward(const BwdParams& p, const ParallelFor& parallel_for) {
     const auto compute = [&](const Schedule::Task& task, T* grads) {
       const KeyBlock blk(p, shape, task.block);
       const auto [t0, t1] = sched.Piece(task.split, blk.rows.Count());
-      BackwardKeys<T, S>(p, blk, t0, t1, grads, grads + kKeyTile * d_pad);
+      BackwardKeys<T, S>(p, blk, t0, t1, q_panel, do_panel, grads, grads + kKeyTile * d_pad);
     };
     const auto write = [&](const Schedule::Task& task, const T* grads) {
       const KeyBlock blk(p, shape, task.block);
@@ -1103,6 +1152,8 @@ void Backward(const BwdParams& p, const ParallelFor& parallel_for) {
 
   // Pass 2: dQ, one task per row block (and piece of the key tiles it sees).
   {
+    const Panel<T> k_panel = PackKeyPanel<T, S>(p.k, p.layout, shape, parallel_for);
+    const Panel<T> v_panel = PackKeyPanel<T, S>(p.v, p.layout, shape, parallel_for);
     const Blocks blocks(p.layout, shape.Group(), shape.heads_kv, /*keys=*/false, kRowTile);
     const Schedule sched(
         blocks, [&](const Blocks::Block& b) { return RowBlock(p, shape, b).keys.Count(); });
@@ -1111,7 +1162,7 @@ void Backward(const BwdParams& p, const ParallelFor& parallel_for) {
     const auto compute = [&](const Schedule::Task& task, T* dqt) {
       const RowBlock blk(p, shape, task.block);
       const auto [t0, t1] = sched.Piece(task.split, blk.keys.Count());
-      BackwardRows<T, S>(p, blk, t0, t1, dqt);
+      BackwardRows<T, S>(p, blk, t0, t1, k_panel, v_panel, dqt);
     };
     const auto write = [&](const Schedule::Task& task, const T* dqt) {
       const RowBlock blk(p, shape, task.block);

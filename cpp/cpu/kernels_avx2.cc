@@ -3,7 +3,7 @@
 // CPU; attention_cpu.cc calls into here only after checking the CPU at run time.
 #include "cpu/kernels_common.h"
 
-#ifdef JAX_FLASH_CPU_HAS_AVX2_BUILD
+#ifdef JAX_FLASH_CPU_HAS_X86_BUILDS
 
 #include <immintrin.h>
 
@@ -46,4 +46,4 @@ inline constexpr int kMicroRows = 6;
 #pragma GCC pop_options
 #endif
 
-#endif  // JAX_FLASH_CPU_HAS_AVX2_BUILD
+#endif  // JAX_FLASH_CPU_HAS_X86_BUILDS

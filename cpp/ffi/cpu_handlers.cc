@@ -6,6 +6,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 
 #include "cpu/attention_cpu.h"
 #include "ffi/handlers.h"
@@ -43,14 +44,19 @@ struct ParallelState {
 };
 
 // The calling thread works through the tasks too, so the call completes even when no pool thread
-// is free; waiting is only for tasks that helpers have already claimed.
+// is free; waiting is only for tasks that helpers have already claimed. It counts as one of the
+// pool's threads: XLA:CPU runs the custom call on the thread that executes the program (the
+// caller's, or one of the pool's own), so num_threads() - 1 helpers keep exactly num_threads()
+// threads busy either way. Scheduling num_threads() helpers as well put one thread more than
+// there are cores to work, which then time-shared the cores and their caches.
 cpu::ParallelFor make_parallel_for(ffi::ThreadPool& pool) {
   return [&pool](int64_t n_tasks, const std::function<void(int64_t)>& task) {
     if (n_tasks <= 0) return;
     auto state = std::make_shared<ParallelState>();
     state->n_tasks = n_tasks;
     state->task = &task;
-    const int64_t helpers = std::min<int64_t>(pool.num_threads(), n_tasks - 1);
+    const int64_t helpers =
+        std::max<int64_t>(0, std::min<int64_t>(pool.num_threads() - 1, n_tasks - 1));
     for (int64_t i = 0; i < helpers; ++i) {
       pool.Schedule([state] { state->drain(); });
     }
@@ -60,11 +66,21 @@ cpu::ParallelFor make_parallel_for(ffi::ThreadPool& pool) {
   };
 }
 
+// A JAX_FLASH_CPU_ISA that names an unknown level, or one this CPU lacks, fails every call with
+// its message instead of running other code than the one asked for (or crashing on an illegal
+// instruction).
+std::optional<ffi::Error> isa_refused() {
+  const cpu::IsaChoice& choice = cpu::isa_choice();
+  if (choice.error.empty()) return std::nullopt;
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, choice.error);
+}
+
 ffi::Error fwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::RemainingArgs extras, ffi::Result<ffi::AnyBuffer> o,
                    ffi::Result<ffi::AnyBuffer> lse, ffi::Dictionary attrs) {
   auto call = decode_fwd(q, k, v, extras, *o, *lse, attrs);
   if (call.has_error()) return call.error();
+  if (auto refused = isa_refused()) return *refused;
   cpu::attention_fwd(call->params, call->dtype, make_parallel_for(pool));
   return ffi::Error::Success();
 }
@@ -76,6 +92,7 @@ ffi::Error bwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                    ffi::Dictionary attrs) {
   auto call = decode_bwd(q, k, v, dout, lse, delta, extras, *dq, *dk, *dv, attrs);
   if (call.has_error()) return call.error();
+  if (auto refused = isa_refused()) return *refused;
   cpu::attention_bwd(call->params, call->dtype, make_parallel_for(pool));
   return ffi::Error::Success();
 }

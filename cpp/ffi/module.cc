@@ -1,5 +1,10 @@
 // The private extension module jax_flash._jax_flash: it only hands XLA FFI handlers to Python.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+#include <vector>
 
 #include "cpu/attention_cpu.h"
 #include "ffi/handlers.h"
@@ -47,7 +52,23 @@ NB_MODULE(_jax_flash, m) {
   m.attr("built_with_jax") = JAX_FLASH_BUILT_WITH_JAX;
   m.attr("built_with_jaxlib") = JAX_FLASH_BUILT_WITH_JAXLIB;
   m.attr("cuda_gencode") = JAX_FLASH_CUDA_GENCODE_FLAGS;
+  // The CPU kernels' level in use, for the capability report; never raises (a refused
+  // JAX_FLASH_CPU_ISA reads "none (<reason>)").
   m.def("cpu_simd_level", []() { return jax_flash::cpu::simd_level(); });
+  // The instruction-set build the CPU kernels of this process use (see cpu/attention_cpu.h);
+  // raises ValueError when JAX_FLASH_CPU_ISA names an unknown level or one the CPU lacks.
+  m.def("cpu_isa", []() -> std::string {
+    const jax_flash::cpu::IsaChoice& choice = jax_flash::cpu::isa_choice();
+    if (!choice.error.empty()) throw nb::value_error(choice.error.c_str());
+    return jax_flash::cpu::isa_name(choice.isa);
+  });
+  // The levels this CPU can run, in increasing order of preference.
+  m.def("cpu_isas_supported", []() {
+    std::vector<std::string> names;
+    for (auto isa : jax_flash::cpu::supported_isas())
+      names.emplace_back(jax_flash::cpu::isa_name(isa));
+    return names;
+  });
 #ifdef JAX_FLASH_WITH_CUDA
   m.attr("has_cuda") = true;
 #else
