@@ -27,6 +27,18 @@ class DoesNotFit(Exception):
     """The compiled program needs more memory than the device has free; it is never run."""
 
 
+def forward_backward(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """(q, k, v, dout) -> (out, dq, dk, dv) of forward(q, k, v). out is returned as well: the plain
+    softmax backward never reads O, so without it XLA could drop the P·V product and be credited
+    with forward FLOPs it did not do."""
+
+    def step(q: Any, k: Any, v: Any, dout: Any) -> Any:
+        out, pullback = jax.vjp(forward, q, k, v)
+        return (out, *pullback(dout))
+
+    return step
+
+
 def compile_jit(fn: Callable[..., Any], args: Sequence[Any]) -> jax.stages.Compiled:
     """jit, lower and compile once, so the timed loop never traces or compiles."""
     return jax.jit(fn).lower(*args).compile()

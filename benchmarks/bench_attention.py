@@ -55,6 +55,7 @@ from _report import (
 from _timing import (
     compile_jit,
     format_bytes,
+    forward_backward,
     median,
     release,
     run_timed,
@@ -219,13 +220,7 @@ def benchmark_fn(impl: str, causal: bool, backward: bool) -> Callable[..., Any]:
     if not backward:
         return forward
 
-    def forward_backward(q: jax.Array, k: jax.Array, v: jax.Array, dout: jax.Array) -> Any:
-        out, pullback = jax.vjp(forward, q, k, v)
-        # out is returned as well: the plain softmax backward never reads O, so without it XLA
-        # could drop the P·V product and be credited with forward FLOPs it did not do.
-        return (out, *pullback(dout))
-
-    return forward_backward
+    return forward_backward(forward)
 
 
 def make_inputs(cell: Cell, with_dout: bool) -> list[jax.Array]:

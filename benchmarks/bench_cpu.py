@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from _env import busy_host, environment
+from _timing import forward_backward
 
 import jax_flash
 from jax_flash import _jax_flash
@@ -59,15 +60,7 @@ def attention_fn(impl: str, causal: bool, bwd: bool) -> Callable[..., Any]:
         def attend(q, k, v):
             return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
 
-    if not bwd:
-        return attend
-
-    def forward_backward(q, k, v, dout):
-        out, pullback = jax.vjp(attend, q, k, v)
-        # out is returned too, so that XLA cannot drop the P·V product of the forward.
-        return (out, *pullback(dout))
-
-    return forward_backward
+    return forward_backward(attend) if bwd else attend
 
 
 def timed(call: Callable[..., Any], args: Sequence[Any], iters: int) -> float:

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from _env import busy_host, environment
-from _timing import compile_jit, time_compiled
+from _timing import compile_jit, forward_backward, time_compiled
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -70,14 +70,7 @@ def communication(compiled) -> tuple[Counter, int]:
 
 
 def _step_fn(attn, backward: bool):
-    if not backward:
-        return attn
-
-    def step(q, k, v, dout):
-        out, pullback = jax.vjp(attn, q, k, v)
-        return (out, *pullback(dout))
-
-    return step
+    return forward_backward(attn) if backward else attn
 
 
 def measure(fn, args, *, iters, repeats):

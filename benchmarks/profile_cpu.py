@@ -14,6 +14,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from _timing import forward_backward
 
 import jax_flash
 from jax_flash import _jax_flash
@@ -37,11 +38,9 @@ def main() -> None:
     def forward(q, k, v):
         return jax_flash.attention(q, k, v, causal=args.causal)
 
-    def forward_backward(q, k, v, dout):
-        out, pullback = jax.vjp(forward, q, k, v)
-        return (out, *pullback(dout))
-
-    fn, fn_args = (forward_backward, (q, k, v, dout)) if args.backward else (forward, (q, k, v))
+    fn, fn_args = (
+        (forward_backward(forward), (q, k, v, dout)) if args.backward else (forward, (q, k, v))
+    )
     call = jax.jit(fn).lower(*fn_args).compile()
     jax.block_until_ready(call(*fn_args))
     flops = 4.0 * args.heads * args.seqlen**2 * args.head_dim / (2 if args.causal else 1)
