@@ -91,7 +91,9 @@ def _plan(n: int, length: int, layout: str, scale: float, left, right) -> _Plan:
         c = length // 2
         full = Spec(softmax_scale=scale)
         local = _band_spec(scale, None, 0, length, length, 0)
-        steps.append(((_Block(0, length, 0, length, local),), ()))
+        # Every device is "near" at step 0: both cases are the same call, so no cond.
+        step0 = (_Block(0, length, 0, length, local),)
+        steps.append((step0, step0))
         for _ in range(1, n):
             steps.append(((_Block(0, length, 0, c, full),), (_Block(c, length, 0, length, full),)))
         return _Plan(tuple(steps))
@@ -100,8 +102,8 @@ def _plan(n: int, length: int, layout: str, scale: float, left, right) -> _Plan:
         for shards in (s, s - n):
             spec = _band_spec(scale, left, right, length, length, shards * length)
             cases.append((_Block(0, length, 0, length, spec),) if spec is not None else ())
-        # At step 0 every device is "near" (r >= 0).
-        steps.append((cases[0], cases[1] if s > 0 else ()))
+        # At step 0 every device is "near" (r >= 0): both cases are the same call, so no cond.
+        steps.append((cases[0], cases[1] if s > 0 else cases[0]))
     return _Plan(tuple(steps))
 
 
@@ -209,10 +211,27 @@ def _merge(out, lse, out_b, lse_b):
     return out * rows(w) + out_b.astype(out.dtype) * rows(w_b), new_lse
 
 
+def _rows(x, start: int, stop: int, axis: int):
+    """Rows [start, stop) of x along axis (static bounds)."""
+    return jax.lax.slice_in_dim(x, start, stop, axis=axis)
+
+
+def _put(x, value, start: int, axis: int):
+    """x with rows [start, start + len) along axis replaced by value. A static-slice ``.at[]``
+    update lowers to a scatter with an empty index array, and such zero-sized constants, captured
+    by a shard_map body, crash XLA:CPU's Shardy pipeline (jax 0.11); a dynamic_update_slice with a
+    static start does not, and the whole-axis case is no update at all."""
+    if start == 0 and value.shape[axis] == x.shape[axis]:
+        return value.astype(x.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(x, value.astype(x.dtype), start, axis=axis)
+
+
 def _aux(q_ids, kv_ids, b: _Block) -> Aux:
     if q_ids is None:
         return Aux()
-    return Aux(q_segment_ids=q_ids[:, b.q0 : b.q1], kv_segment_ids=kv_ids[:, b.k0 : b.k1])
+    return Aux(
+        q_segment_ids=_rows(q_ids, b.q0, b.q1, 1), kv_segment_ids=_rows(kv_ids, b.k0, b.k1, 1)
+    )
 
 
 def _select(pred, near, far, fn, carry):
@@ -243,11 +262,11 @@ def _ring_forward(cfg: _Config, q, k, v, q_ids, kv_ids):
         (out, lse), (k, v, kv_ids) = carry
         for b in blocks:
             out_b, lse_b = _forward(
-                q[:, b.q0 : b.q1], k[:, b.k0 : b.k1], v[:, b.k0 : b.k1],
+                _rows(q, b.q0, b.q1, 1), _rows(k, b.k0, b.k1, 1), _rows(v, b.k0, b.k1, 1),
                 _aux(q_ids, kv_ids, b), b.spec,
             )  # fmt: skip
-            o, s = _merge(out[:, b.q0 : b.q1], lse[..., b.q0 : b.q1], out_b, lse_b)
-            out, lse = out.at[:, b.q0 : b.q1].set(o), lse.at[..., b.q0 : b.q1].set(s)
+            o, s = _merge(_rows(out, b.q0, b.q1, 1), _rows(lse, b.q0, b.q1, 2), out_b, lse_b)
+            out, lse = _put(out, o, b.q0, 1), _put(lse, s, b.q0, 2)
         return out, lse
 
     last = cfg.plan.last
@@ -280,13 +299,15 @@ def _ring_bwd_pass(cfg: _Config, q, k, v, q_ids, kv_ids, out, lse, dout, dlse):
     def compute(blocks, carry):
         dq, (dk, dv), (k, v, kv_ids) = carry
         for b in blocks:
+            qs, ks = (b.q0, b.q1, 1), (b.k0, b.k1, 1)
             dq_b, dk_b, dv_b = _backward(
-                q[:, b.q0 : b.q1], k[:, b.k0 : b.k1], v[:, b.k0 : b.k1], dout[:, b.q0 : b.q1],
-                lse[..., b.q0 : b.q1], delta[..., b.q0 : b.q1], _aux(q_ids, kv_ids, b), b.spec,
+                _rows(q, *qs), _rows(k, *ks), _rows(v, *ks), _rows(dout, *qs),
+                _rows(lse, b.q0, b.q1, 2), _rows(delta, b.q0, b.q1, 2),
+                _aux(q_ids, kv_ids, b), b.spec,
             )  # fmt: skip
-            dq = dq.at[:, b.q0 : b.q1].add(dq_b.astype(acc))
-            dk = dk.at[:, b.k0 : b.k1].add(dk_b.astype(acc))
-            dv = dv.at[:, b.k0 : b.k1].add(dv_b.astype(acc))
+            dq = _put(dq, _rows(dq, *qs) + dq_b.astype(acc), b.q0, 1)
+            dk = _put(dk, _rows(dk, *ks) + dk_b.astype(acc), b.k0, 1)
+            dv = _put(dv, _rows(dv, *ks) + dv_b.astype(acc), b.k0, 1)
         return dq, (dk, dv)
 
     last = cfg.plan.last
