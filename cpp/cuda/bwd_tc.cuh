@@ -487,9 +487,14 @@ __device__ __forceinline__ int find_query_tile(const BwdArgs& args, uint32_t win
       }
       const uint32_t seen_mask = __ballot_sync(0xffffffffu, cand_seen);
       const uint32_t single_mask = __ballot_sync(0xffffffffu, cand_single);
+      // Every lane stores the same words; the warp barriers order them after every lane's reads
+      // of the old window and before every lane's reads of the new one (a ballot converges the
+      // lanes but does not order their shared-memory accesses).
+      __syncwarp();
       st_shared_b32(base_addr, static_cast<uint32_t>(base));
       st_shared_b32(seen_addr, seen_mask);
       st_shared_b32(single_addr, single_mask);
+      __syncwarp();
     }
     const uint32_t above = ld_shared_b32(seen_addr) & (0xffffffffu << (m - base));
     if (above != 0) {
@@ -625,6 +630,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
       kv_range = id_range(args.segments.kv_ranges + batch * args.kv_id_chunks * 2, n0, n1);
       const uint32_t window = info.window_addr(tid / 32);
       st_shared_b32(window + offsetof(BlockInfo::Window, base), static_cast<uint32_t>(-64));
+      __syncwarp();  // every lane's store before any lane's read
       m_first =
           find_query_tile<kBlockM>(args, window, m_begin, m_end, len_q, batch, kv_range, single);
     }

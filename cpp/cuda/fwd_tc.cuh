@@ -334,6 +334,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
     st_shared_u32(win_addr(offsetof(SegWindow, q_hi)), static_cast<uint32_t>(q_range.hi));
     st_shared_u32(win_addr(offsetof(SegWindow, batch)), static_cast<uint32_t>(span.batch));
     st_shared_u32(win_addr(offsetof(SegWindow, stage_single)), 0u);
+    __syncwarp();  // every lane's stores before any lane's reads
   }
   // The largest key block in [nb_begin, n] that the tile visits, or a value below nb_begin.
   auto find_visit = [&](int n) -> int {
@@ -360,9 +361,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
           }
           const uint32_t seen_mask = __ballot_sync(0xffffffffu, seen);
           const uint32_t single_mask = __ballot_sync(0xffffffffu, single);
+          // As in the backward's find_query_tile: warp barriers order the identical stores of
+          // every lane against the other lanes' reads of the old and the new window.
+          __syncwarp();
           st_shared_u32(win_addr(offsetof(SegWindow, base)), static_cast<uint32_t>(base));
           st_shared_u32(win_addr(offsetof(SegWindow, seen)), seen_mask);
           st_shared_u32(win_addr(offsetof(SegWindow, single)), single_mask);
+          __syncwarp();
         }
         const uint32_t below =
             ld_shared_u32(win_addr(offsetof(SegWindow, seen))) & (0xffffffffu << (base - n));
@@ -380,7 +385,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
       const uint32_t bit =
           (ld_shared_u32(win_addr(offsetof(SegWindow, single))) >> (base - n)) & 1u;
       const uint32_t addr = win_addr(offsetof(SegWindow, stage_single));
-      st_shared_u32(addr, (ld_shared_u32(addr) & ~(1u << stage)) | (bit << stage));
+      const uint32_t word = (ld_shared_u32(addr) & ~(1u << stage)) | (bit << stage);
+      __syncwarp();  // every lane has read the old word before any lane writes the new one
+      st_shared_u32(addr, word);
+      __syncwarp();
     }
   };
 

@@ -32,8 +32,8 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 bool sm90a_kernels_usable() {
 #ifndef JAX_FLASH_BUILT_SM90A
-  return false;
-#endif
+  return false;  // the Hopper kernels' device code was not compiled for sm_90a
+#else
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0) return false;
   if (device < kMaxDevices) {
@@ -49,6 +49,7 @@ bool sm90a_kernels_usable() {
   const int cc = major * 10 + minor;
   if (device < kMaxDevices) g_device_cc[device].store(cc, std::memory_order_relaxed);
   return cc == 90;
+#endif
 }
 
 bool encode_bshd(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, int64_t batch,
