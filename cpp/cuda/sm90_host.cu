@@ -10,8 +10,10 @@ namespace jax_flash::cuda::sm90 {
 namespace {
 
 // Compute capability (major * 10 + minor) of each device, read once; 0 = not read yet.
+#ifdef JAX_FLASH_BUILT_SM90A
 constexpr int kMaxDevices = 64;
 std::atomic<int> g_device_cc[kMaxDevices];
+#endif
 
 // cuTensorMapEncodeTiled through the runtime's driver entry point, so that nothing links libcuda.
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
