@@ -40,3 +40,13 @@ def cuda_devices_present() -> bool:
         return len(jax.devices("cuda")) > 0
     except RuntimeError:
         return False
+
+
+def tensor_core_smem_bytes(backward: bool, head_dim: int, segments: bool) -> int:
+    """Dynamic shared memory of the mma.sync kernel (CUDA builds only)."""
+    return int(_jax_flash.cuda_tensor_core_smem_bytes(backward, head_dim, segments))
+
+
+def smem_optin_bytes(ordinal: int) -> int:
+    """The opt-in per-block shared-memory limit of CUDA device `ordinal` (CUDA builds only)."""
+    return int(_jax_flash.cuda_device_smem_optin(ordinal))

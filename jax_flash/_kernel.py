@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _ffi, sharding
+from jax_flash import _device_limits, _ffi, sharding
 from jax_flash._autodiff import not_differentiable
 
 # Head dims the CUDA tensor-core kernels are compiled for (cpp/cuda/kernels.h). Other head dims
@@ -147,7 +147,17 @@ def _fwd_cpu(q, k, v, aux, *, spec):
     return _fwd_call(_ffi.FWD_CPU, q, k, v, aux, spec)
 
 
+def _check_fits(q, aux, *, backward):
+    if jnp.dtype(q.dtype) in _HALF_DTYPES:
+        _device_limits.check_half_kernel_fits(
+            backward=backward,
+            head_dim=_cuda_head_dim(q.dtype, q.shape[-1]),
+            segments=aux.q_segment_ids is not None,
+        )
+
+
 def _fwd_cuda(q, k, v, aux, *, spec):
+    _check_fits(q, aux, backward=False)
     head_dim = q.shape[-1]
     padded = _cuda_head_dim(q.dtype, head_dim)
     q, k, v = (_pad_head_dim(x, padded) for x in (q, k, v))
@@ -166,6 +176,7 @@ def _bwd_cpu(q, k, v, dout, lse, delta, aux, *, spec):
 
 
 def _bwd_cuda(q, k, v, dout, lse, delta, aux, *, spec):
+    _check_fits(q, aux, backward=True)
     head_dim = q.shape[-1]
     padded = _cuda_head_dim(q.dtype, head_dim)
     q, k, v, dout = (_pad_head_dim(x, padded) for x in (q, k, v, dout))

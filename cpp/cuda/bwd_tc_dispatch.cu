@@ -51,6 +51,20 @@ bool valid_shapes(const BwdParams& p) {
 
 }  // namespace
 
+int bwd_tensor_core_smem_bytes(int64_t head_dim, bool segments) {
+  // Traits depend on the element type only through its size, which both half types share.
+  switch (head_dim) {
+    case 64:
+      return bwd_tc::BwdConfig<__half, 64>::Traits::smem_bytes(segments);
+    case 128:
+      return bwd_tc::BwdConfig<__half, 128>::Traits::smem_bytes(segments);
+    case 256:
+      return bwd_tc::BwdConfig<__half, 256>::Traits::smem_bytes(segments);
+    default:
+      return 0;
+  }
+}
+
 cudaError_t bwd_tensor_core(const BwdParams& params, DType dtype, cudaStream_t stream) {
   if (!valid_shapes(params)) return cudaErrorInvalidValue;
   // Segment ids are per dense batch row; a packed call has none.

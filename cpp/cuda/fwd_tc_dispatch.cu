@@ -59,6 +59,20 @@ bool fwd_params_supported(const FwdParams& p) {
 
 }  // namespace
 
+int fwd_tensor_core_smem_bytes(int64_t head_dim, bool segments) {
+  // Traits depend on the element type only through its size, which both half types share.
+  switch (head_dim) {
+    case 64:
+      return fwd_tc::FwdTraitsFor<__half, 64>::smem_bytes(segments);
+    case 128:
+      return fwd_tc::FwdTraitsFor<__half, 128>::smem_bytes(segments);
+    case 256:
+      return fwd_tc::FwdTraitsFor<__half, 256>::smem_bytes(segments);
+    default:
+      return 0;
+  }
+}
+
 cudaError_t fwd_tensor_core(const FwdParams& params, DType dtype, cudaStream_t stream) {
   if (!fwd_params_supported(params)) return cudaErrorInvalidValue;
   if (dtype != DType::kF16 && dtype != DType::kBF16) return cudaErrorInvalidValue;

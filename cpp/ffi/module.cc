@@ -10,6 +10,12 @@
 #include "ffi/handlers.h"
 #include "xla/ffi/api/c_api.h"
 
+#ifdef JAX_FLASH_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "cuda/kernels.h"
+#endif
+
 // Set by CMake: the jax and jaxlib versions whose headers this module was compiled with, and the
 // nvcc -gencode flags of the CUDA kernels.
 #ifndef JAX_FLASH_BUILT_WITH_JAX
@@ -70,6 +76,23 @@ NB_MODULE(_jax_flash, m) {
     return names;
   });
 #ifdef JAX_FLASH_WITH_CUDA
+  // For the trace-time check that a device can run the kernels: the mma.sync kernels' dynamic
+  // shared memory, and a device's opt-in per-block limit.
+  m.def("cuda_tensor_core_smem_bytes", [](bool backward, int64_t head_dim, bool segments) {
+    return backward ? jax_flash::cuda::bwd_tensor_core_smem_bytes(head_dim, segments)
+                    : jax_flash::cuda::fwd_tensor_core_smem_bytes(head_dim, segments);
+  });
+  m.def("cuda_device_smem_optin", [](int ordinal) {
+    int bytes = 0;
+    const cudaError_t status =
+        cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, ordinal);
+    if (status != cudaSuccess) {
+      throw nb::value_error((std::string("cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin, ") +
+                             std::to_string(ordinal) + ") failed: " + cudaGetErrorString(status))
+                                .c_str());
+    }
+    return bytes;
+  });
   m.attr("has_cuda") = true;
 #else
   m.attr("has_cuda") = false;
