@@ -63,6 +63,8 @@ class Spec:
     varlen: bool = False
     max_seqlen_q: int = -1  # -1: not given
     max_seqlen_k: int = -1
+    # Backward on CUDA: dQ tiles add their key tiles' contributions in a fixed order.
+    deterministic: bool = False
 
     def attrs(self, aux: Aux) -> dict:
         # Attribute types must match the C++ side exactly: Python float -> double, int -> int64,
@@ -79,6 +81,7 @@ class Spec:
             "varlen": np.bool_(self.varlen),
             "max_seqlen_q": int(self.max_seqlen_q),
             "max_seqlen_k": int(self.max_seqlen_k),
+            "deterministic": np.bool_(self.deterministic),
         }
 
 
@@ -182,15 +185,19 @@ def _bwd_cuda(q, k, v, dout, lse, delta, aux, *, spec):
     q, k, v, dout = (_pad_head_dim(x, padded) for x in (q, k, v, dout))
     # The tensor-core backward accumulates dQ in fp32 with atomics; XLA owns that scratch so the
     # handler never allocates. The scalar path needs none and gets a placeholder.
-    scratch_shape = q.shape if jnp.dtype(q.dtype) in _HALF_DTYPES else (1,)
+    half = jnp.dtype(q.dtype) in _HALF_DTYPES
+    scratch_shape = q.shape if half else (1,)
+    # The deterministic order's counters: one per dQ row and head (the scalar path needs none).
+    semaphore_shape = q.shape[:-1] if half and spec.deterministic else (1,)
     out_types = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct(k.shape, k.dtype),
         jax.ShapeDtypeStruct(v.shape, v.dtype),
         jax.ShapeDtypeStruct(scratch_shape, jnp.float32),
+        jax.ShapeDtypeStruct(semaphore_shape, jnp.int32),
     )
     call = jax.ffi.ffi_call(_ffi.BWD_CUDA, out_types, vmap_method=_vmap_method(spec))
-    dq, dk, dv, _ = call(q, k, v, dout, lse, delta, *_extras(aux, q.dtype), **spec.attrs(aux))
+    dq, dk, dv, *_ = call(q, k, v, dout, lse, delta, *_extras(aux, q.dtype), **spec.attrs(aux))
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim]
 
 

@@ -24,7 +24,9 @@ def _require_kernels(name: str) -> None:
         )
 
 
-def _spec(name, head_dim, *, causal, softmax_scale, window, softcap, **extra) -> Spec:
+def _spec(
+    name, head_dim, *, causal, softmax_scale, window, softcap, deterministic=False, **extra
+) -> Spec:
     causal = _checks.check_bool(name, "causal", causal)
     left, right = _checks.check_window(name, window)
     # Positions are below 2^31, so a bound that large excludes nothing: it is no bound, and the
@@ -38,6 +40,7 @@ def _spec(name, head_dim, *, causal, softmax_scale, window, softcap, **extra) ->
         window_left=-1 if left is None else left,
         window_right=-1 if right is None else right,
         softcap=_checks.check_softcap(name, softcap),
+        deterministic=_checks.check_bool(name, "deterministic", deterministic),
         **extra,
     )
 
@@ -55,6 +58,7 @@ def attention(
     segment_ids: jax.Array | Sequence[jax.Array] | None = ...,
     sinks: jax.Array | None = ...,
     return_lse: Literal[False] = ...,
+    deterministic: bool = ...,
 ) -> jax.Array: ...
 
 
@@ -71,6 +75,7 @@ def attention(
     segment_ids: jax.Array | Sequence[jax.Array] | None = ...,
     sinks: jax.Array | None = ...,
     return_lse: Literal[True],
+    deterministic: bool = ...,
 ) -> tuple[jax.Array, jax.Array]: ...
 
 
@@ -86,6 +91,7 @@ def attention(
     segment_ids: jax.Array | Sequence[jax.Array] | None = None,
     sinks: jax.Array | None = None,
     return_lse: bool = False,
+    deterministic: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Exact softmax attention without materialising the score matrix.
 
@@ -111,6 +117,12 @@ def attention(
         inputs); lse includes it.
       return_lse: also return the natural-log log-sum-exp of each row, [batch, heads_q,
         seqlen_q], which is differentiable too.
+      deterministic: a static bool. True makes the GPU backward add the contributions to each
+        dQ tile in a fixed order (key tiles ascending), so gradients are bitwise reproducible
+        from run to run. The default adds them with fp32 atomics in whatever order the key
+        tiles get there: faster, and equal to the last bits only. With segment ids the
+        deterministic backward computes every tile pair of the band (disjoint ones add zeros)
+        instead of skipping them. The forward and the CPU backward are deterministic either way.
 
     q, k, v share one dtype: float16, bfloat16, float32 or float64; head_dim is 1..256. A row that
     sees no key gives output 0, lse -inf (the row's sink with sinks) and zero gradients.
@@ -122,6 +134,7 @@ def attention(
     return dense_attention(
         "attention", q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
         softcap=softcap, segment_ids=segment_ids, sinks=sinks, return_lse=return_lse,
+        deterministic=deterministic,
     )  # fmt: skip
 
 
@@ -140,6 +153,7 @@ def dense_attention(
     return_lse: bool,
     bottom_right: bool = True,
     diagonal_shift: int = 0,
+    deterministic: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """:func:`attention` with the band's diagonal as a parameter, for the package's other entry
     points: offset = (seqlen_k - seqlen_q if bottom_right else 0) + diagonal_shift, a static int
@@ -152,6 +166,7 @@ def dense_attention(
     spec = _spec(
         name, q.shape[-1], causal=causal, softmax_scale=softmax_scale, window=window,
         softcap=softcap, band_shift=diagonal_shift, band_bottom_right=bottom_right,
+        deterministic=deterministic,
     )  # fmt: skip
     batch, seqlen_q, heads_q = q.shape[0], q.shape[1], q.shape[2]
     q_ids, kv_ids = _checks.check_segment_ids(segment_ids, batch, seqlen_q, k.shape[1])
@@ -183,6 +198,7 @@ def attention_varlen(
     softcap: float | None = ...,
     sinks: jax.Array | None = ...,
     return_lse: Literal[False] = ...,
+    deterministic: bool = ...,
 ) -> jax.Array: ...
 
 
@@ -202,6 +218,7 @@ def attention_varlen(
     softcap: float | None = ...,
     sinks: jax.Array | None = ...,
     return_lse: Literal[True],
+    deterministic: bool = ...,
 ) -> tuple[jax.Array, jax.Array]: ...
 
 
@@ -220,6 +237,7 @@ def attention_varlen(
     softcap: float | None = None,
     sinks: jax.Array | None = None,
     return_lse: bool = False,
+    deterministic: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention over a packed batch of variable-length sequences (no padding).
 
@@ -234,6 +252,7 @@ def attention_varlen(
         only help choose a kernel configuration, never change a result.
       causal, softmax_scale, window, softcap, sinks: as in :func:`attention`, per sequence (the
         diagonal of sequence n is its own bottom-right corner).
+      deterministic: as in :func:`attention`.
       return_lse: also return lse, [heads_q, total_q].
 
     Returns out [total_q, heads_q, head_dim] (and lse). Works under jit and grad; vmap runs one
@@ -251,6 +270,7 @@ def attention_varlen(
     spec = _spec(
         name, q.shape[-1], causal=causal, softmax_scale=softmax_scale, window=window,
         softcap=softcap, varlen=True, max_seqlen_q=max_q, max_seqlen_k=max_k,
+        deterministic=deterministic,
     )  # fmt: skip
     heads_q = q.shape[1]
     sinks = _checks.check_sinks(name, sinks, heads_q)

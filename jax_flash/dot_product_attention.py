@@ -100,6 +100,7 @@ def dot_product_attention(
     local_window_size: int | tuple[int, int] | None = None,
     implementation: Literal["jax_flash"] | None = None,
     return_residual: Literal[False] = False,
+    deterministic: bool = False,
 ) -> jax.Array: ...
 
 
@@ -118,6 +119,7 @@ def dot_product_attention(
     local_window_size: int | tuple[int, int] | None = None,
     implementation: Literal["jax_flash"] | None = None,
     return_residual: Literal[True],
+    deterministic: bool = False,
 ) -> tuple[jax.Array, jax.Array]: ...
 
 
@@ -135,6 +137,7 @@ def dot_product_attention(
     local_window_size: int | tuple[int, int] | None = None,
     implementation: Literal["jax_flash"] | None = None,
     return_residual: bool = False,
+    deterministic: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Drop-in replacement of :func:`jax.nn.dot_product_attention` on the jax_flash kernels.
 
@@ -157,6 +160,8 @@ def dot_product_attention(
         (call jax.nn for those).
       return_residual: also return the log-sum-exp of each row's logits, ``[B, T, N]`` (``[T,
         N]``) in the input dtype, with no gradient, as jax.nn does.
+      deterministic: jax_flash's option (not jax.nn's): bitwise reproducible gradients on the
+        GPU, as in :func:`jax_flash.attention`.
 
     Rows that see no key follow jax.nn's convention, not :func:`jax_flash.attention`'s: a padded
     query row (``query_seq_lengths``) gives output 0; any other row without a visible key (a
@@ -215,6 +220,7 @@ def dot_product_attention(
     out, lse = dense_attention(
         NAME, q, k, v, causal=bool(is_causal), softmax_scale=softmax_scale, window=window,
         softcap=None, segment_ids=segment_ids, sinks=None, return_lse=True, bottom_right=False,
+        deterministic=deterministic,
     )  # fmt: skip
     # [B, N, T] -> [B, T, N]
     lse = jnp.swapaxes(lse, -1, -2)

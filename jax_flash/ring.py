@@ -61,7 +61,7 @@ class _Plan:
         return busy[-1] if busy else 0
 
 
-def _band_spec(scale: float, left, right, nq: int, nk: int, shift: int) -> Spec | None:
+def _band_spec(base: Spec, left, right, nq: int, nk: int, shift: int) -> Spec | None:
     """The call for an nq x nk block whose keys start ``shift`` positions before its queries:
     query i sees key j when shift - left <= j - i <= shift + right. None when no pair is
     visible; no mask when every pair is."""
@@ -70,9 +70,9 @@ def _band_spec(scale: float, left, right, nq: int, nk: int, shift: int) -> Spec 
     if (hi is not None and hi < -(nq - 1)) or (lo is not None and lo > nk - 1):
         return None
     if (hi is None or hi >= nk - 1) and (lo is None or lo <= -(nq - 1)):
-        return Spec(softmax_scale=scale)
-    return Spec(
-        softmax_scale=scale,
+        return base
+    return dataclasses.replace(
+        base,
         window_left=-1 if left is None else left,
         window_right=-1 if right is None else right,
         band_shift=shift,
@@ -80,7 +80,8 @@ def _band_spec(scale: float, left, right, nq: int, nk: int, shift: int) -> Spec 
     )
 
 
-def _plan(n: int, length: int, layout: str, scale: float, left, right) -> _Plan:
+def _plan(n: int, length: int, layout: str, base: Spec, left, right) -> _Plan:
+    """``base``: the options every call shares (scale, deterministic), without a mask."""
     steps = []
     if layout == "zigzag" and right is not None:
         # right is 0 here (causal; windows are refused for zigzag). Device r holds chunks r and
@@ -89,8 +90,8 @@ def _plan(n: int, length: int, layout: str, scale: float, left, right) -> _Plan:
         # the key chunk src and none of 2n-1-src; for src > r only the second query chunk sees
         # anything, all of both key chunks. Every step costs every device 2c^2 pairs.
         c = length // 2
-        full = Spec(softmax_scale=scale)
-        local = _band_spec(scale, None, 0, length, length, 0)
+        full = base
+        local = _band_spec(base, None, 0, length, length, 0)
         # Every device is "near" at step 0: both cases are the same call, so no cond.
         step0 = (_Block(0, length, 0, length, local),)
         steps.append((step0, step0))
@@ -100,7 +101,7 @@ def _plan(n: int, length: int, layout: str, scale: float, left, right) -> _Plan:
     for s in range(n):
         cases = []
         for shards in (s, s - n):
-            spec = _band_spec(scale, left, right, length, length, shards * length)
+            spec = _band_spec(base, left, right, length, length, shards * length)
             cases.append((_Block(0, length, 0, length, spec),) if spec is not None else ())
         # At step 0 every device is "near" (r >= 0): both cases are the same call, so no cond.
         steps.append((cases[0], cases[1] if s > 0 else cases[0]))
@@ -133,7 +134,7 @@ def work_per_device(
     schedule (no segment ids), for judging the load balance: device r's entry of the list."""
     left, right = _window(causal, window)
     _check_layout(layout, shard_len, window)
-    plan = _plan(num_devices, shard_len, layout, 1.0, left, right)
+    plan = _plan(num_devices, shard_len, layout, Spec(softmax_scale=1.0), left, right)
     work = []
     for r in range(num_devices):
         blocks = [b for s, (near, far) in enumerate(plan.steps) for b in (near if r >= s else far)]
@@ -355,6 +356,7 @@ def ring_attention(
     segment_ids: jax.Array | Sequence[jax.Array] | None = None,
     layout: str = "contiguous",
     return_lse: bool = False,
+    deterministic: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Exact attention over a sequence sharded along the mesh axis ``axis_name``, inside
     ``shard_map``. Every argument is the local shard; the result equals
@@ -379,6 +381,8 @@ def ring_attention(
         device about 2n - 1 times the work of the first; zigzag gives every device the same.
         zigzag needs an even shard_len.
       return_lse: also return lse, [batch, heads_q, shard_len] (float32; float64 for float64).
+      deterministic: as in :func:`jax_flash.attention`, for every block's backward; the ring's
+        own sums (dQ over the steps, dK/dV as they travel) run in a fixed order either way.
 
     Returns:
       out [batch, shard_len, heads_q, head_dim] in the input dtype (and lse), for this device's
@@ -386,6 +390,7 @@ def ring_attention(
     """
     _checks.check_inputs(q, k, v)
     return_lse = _checks.check_bool(_NAME, "return_lse", return_lse)
+    deterministic = _checks.check_bool(_NAME, "deterministic", deterministic)
     left, right = _window(causal, window)
     batch, length = q.shape[0], q.shape[1]
     if k.shape[1] != length:
@@ -398,7 +403,8 @@ def ring_attention(
     q_ids, kv_ids = _checks.check_segment_ids(segment_ids, batch, length, length)
     n, _ = _axis(axis_name)
     _require_kernels(_NAME)
-    cfg = _Config(axis_name=axis_name, plan=_plan(n, length, layout, scale, left, right))
+    base = Spec(softmax_scale=scale, deterministic=deterministic)
+    cfg = _Config(axis_name=axis_name, plan=_plan(n, length, layout, base, left, right))
     out, lse = _ring(cfg, *(jnp.asarray(x) for x in (q, k, v)), q_ids, kv_ids)
     return (out, lse) if return_lse else out
 

@@ -448,10 +448,11 @@ def reference_feature_vjp(
     grads=True,
     max_seqlen_q=None,
     max_seqlen_k=None,
+    deterministic=False,
 ):
     """The same for attention_reference / attention_varlen_reference (max_seqlen_* are only
-    kernel hints and are ignored)."""
-    del max_seqlen_q, max_seqlen_k
+    kernel hints and deterministic only the kernels' summation order: both are ignored)."""
+    del max_seqlen_q, max_seqlen_k, deterministic
     left, right = (None, None) if window is None else window
     left = UNBOUNDED if left is None else min(left, UNBOUNDED)
     right = 0 if causal else (UNBOUNDED if right is None else min(right, UNBOUNDED))

@@ -151,7 +151,12 @@ def test_float64_matches_the_float64_reference(rng, causal):
 def test_signature_covers_jax_nn():
     ours = inspect.signature(jax_flash.dot_product_attention).parameters
     theirs = inspect.signature(jax.nn.dot_product_attention).parameters
-    assert list(ours) == list(theirs)
+    # jax.nn's parameters in jax.nn's order, then jax_flash's own keyword-only options, whose
+    # defaults keep jax.nn's behaviour.
+    assert list(ours)[: len(theirs)] == list(theirs)
+    extras = {name: p for name, p in ours.items() if name not in theirs}
+    assert set(extras) == {"deterministic"}
+    assert all(p.kind == p.KEYWORD_ONLY and p.default is False for p in extras.values())
     for name, p in theirs.items():
         assert ours[name].kind == p.kind, name
         if name != "implementation":

@@ -138,6 +138,10 @@ struct BwdArgs {
   void* dk;            // [rows_k, heads_kv, D]
   void* dv;            // [rows_k, heads_kv, D]
   float* dq_accum;     // [rows_q, heads_q, D]
+  // [rows_q, heads_q] counters that put each dQ tile's additions in key-tile order
+  // (dq_convert.cuh); nullptr: atomics in any order. With segment ids every query tile of the
+  // band is then visited, since the order counts key tiles by position, not by shared ids.
+  int32_t* dq_semaphores;
   SeqLayout layout;
   Band band;            // read only by the kBand kernels
   SegmentIds segments;  // read only by the kSegments kernels (dense only)
@@ -471,6 +475,11 @@ __device__ __forceinline__ int find_query_tile(const BwdArgs& args, uint32_t win
   const uint32_t base_addr = window + offsetof(BlockInfo::Window, base);
   const uint32_t seen_addr = window + offsetof(BlockInfo::Window, seen);
   const uint32_t single_addr = window + offsetof(BlockInfo::Window, single);
+  if (args.dq_semaphores != nullptr) {
+    // The deterministic order visits every tile (a disjoint one adds zeros).
+    single = false;
+    return m < m_end ? m : m_end;
+  }
   while (m < m_end) {
     int base = ld_shared_s32(base_addr);
     if (m < base || m > base + 31) {
@@ -909,6 +918,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
       const int len_q = info.len_q();
       using GemmdQ = WarpGemm<T, dQ::kMi, dQ::kNi, kBlockN, kBlockN, false, kD, true, true>;
       const int64_t q_row_stride = static_cast<int64_t>(args.heads_q) * kD;
+      // Deterministic: this CTA adds to the tile after every lower key tile that visits it.
+      int32_t* const sem =
+          args.dq_semaphores != nullptr
+              ? args.dq_semaphores + (info.q_start() + row0) * args.heads_q + ic.head
+              : nullptr;
+      if (sem != nullptr) {
+        if (tid == 0) {
+          const SeqMask mask = (kBand ? args.band : Band{}).for_seq(len_q, info.len_k());
+          dq_wait_turn(sem, dq_ticket(mask, row0, info.n0(), kBlockN));
+        }
+        __syncthreads();
+      }
       float* dq_tile = args.dq_accum + (info.q_start() + row0) * q_row_stride +
                        static_cast<int64_t>(ic.head) * kD;
 #pragma unroll
@@ -932,6 +953,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
             }
           }
         }
+      }
+      if (sem != nullptr) {
+        __syncthreads();
+        if (tid == 0) dq_pass_turn(sem);
       }
     }
   }
@@ -998,6 +1023,11 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
       err != cudaSuccess) {
     return err;
   }
+  if (const cudaError_t err =
+          zero_dq_semaphores(params.dq_semaphores, layout.rows_q() * params.heads_q, stream);
+      err != cudaSuccess) {
+    return err;
+  }
 
   if (num_blocks > 0) {
     BwdArgs args;
@@ -1010,6 +1040,7 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
     args.dk = params.dk;
     args.dv = params.dv;
     args.dq_accum = params.dq_accum;
+    args.dq_semaphores = params.dq_semaphores;
     args.layout = layout;
     args.band = params.mask.band.clamped();
     args.segments = params.mask.segments;

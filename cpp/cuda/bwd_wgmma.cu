@@ -92,6 +92,10 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
   if (const cudaError_t err = zero_dq_accum(p.dq_accum, dq_elems, stream); err != cudaSuccess) {
     return err;
   }
+  if (const cudaError_t err = zero_dq_semaphores(p.dq_semaphores, l.rows_q() * p.heads_q, stream);
+      err != cudaSuccess) {
+    return err;
+  }
 
   const int64_t tiles = l.tiles(Tr::kBlockN, true);
   const int64_t grid = tiles * p.heads_kv;
@@ -115,6 +119,7 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
     args.lse = static_cast<const float*>(p.lse);
     args.delta = static_cast<const float*>(p.delta);
     args.dq_accum = p.dq_accum;
+    args.dq_semaphores = p.dq_semaphores;
     args.dk = p.dk;
     args.dv = p.dv;
     args.layout = l;

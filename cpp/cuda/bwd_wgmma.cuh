@@ -29,6 +29,7 @@
 
 #include "common/mask.h"
 #include "common/schedule.h"
+#include "cuda/dq_convert.cuh"
 #include "cuda/fwd_wgmma.cuh"
 
 namespace jax_flash::cuda::sm90 {
@@ -37,7 +38,11 @@ struct BwdWgmmaArgs {
   const float* lse;    // dense [batch, heads_q, seqlen_q], packed [heads_q, total_q]; natural log
   const float* delta;  // same layout as lse
   float* dq_accum;     // [rows_q, heads_q, D], unscaled dS K sums
-  void* dk;            // [rows_k, heads_kv, D]
+  // [rows_q, heads_q] counters that put each dQ tile's additions in key-tile order
+  // (dq_convert.cuh); nullptr: atomics in any order. With segment ids every pair of the band is
+  // then visited, since the order counts the key tiles by position, not by shared ids.
+  int32_t* dq_semaphores;
+  void* dk;  // [rows_k, heads_kv, D]
   void* dv;
   SeqLayout layout;
   Band band;             // unbounded in the kernels without kMasked
@@ -136,7 +141,7 @@ struct BwdPairHeader {
   int rows;           // query rows of the tile inside the sequence (1..kBlockM)
   int flags;          // kPair* bits
   TileMask mask;      // query row r sees key column c iff mask.visible(r, c) (kPairMasked)
-  int pad;
+  int m0;             // the tile's first query row, sequence-local (the deterministic order)
 };
 static_assert(sizeof(BwdPairHeader) == 32);
 
@@ -502,6 +507,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         lane_flags = bwd_pair<kBlockM, kBlockN>(ct, (ct.m_first + window + lane) * kBlockM,
                                                 segments, q_ranges, varlen)
                          .flags;
+        // The deterministic order needs every pair of the band: one whose ids are disjoint is
+        // computed fully masked (it adds zeros) instead of skipped.
+        if (lane_flags < 0 && args.dq_semaphores != nullptr) {
+          lane_flags = kPairMasked | kPairSegments;
+        }
       }
       uint32_t visit = __ballot_sync(0xffffffffu, lane_flags >= 0);
       while (visit != 0) {
@@ -541,6 +551,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           h->rows = rows;
           h->flags = flags;
           h->mask = ct.mask.tile(m0, ct.n0);
+          h->m0 = m0;
           mbar_arrive_expect_tx(bar_full(stage), 2 * Tr::kQStageBytes);
 #pragma unroll
           for (int p = 0; p < Tr::kPanels; ++p) {
@@ -724,6 +735,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // The header is read before the release lets the producer rewrite it.
       const int64_t dq_offset = hdr->dq_offset;
       const int rows = hdr->rows;
+      const int m0 = hdr->m0;
       mbar_arrive(bar_empty(stage));
 
       // dq accumulator element 4i + 2r + e is (query row 16 warp + g + 8r, head-dim column
@@ -731,6 +743,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // The thread's position is re-read here (volatile) so that the compiler computes these
       // addresses now, when s and dP^T are dead, instead of keeping them live across the loop.
       const int ctid = fresh_thread_index() - 128;
+      // Deterministic: this warpgroup's turn at the tile comes after both warpgroups of every
+      // lower key tile that visits it, and after warpgroup 0 of this CTA.
+      int32_t* const sem =
+          args.dq_semaphores != nullptr ? args.dq_semaphores + dq_offset / kD : nullptr;
+      if (sem != nullptr) {
+        if (ctid % 128 == 0) {
+          const int ticket = dq_ticket(cta_tile->mask, m0, cta_tile->n0, kBlockN);
+          dq_wait_turn(sem, Tr::kConsumerWarpgroups * ticket + cw);
+        }
+        named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
+      }
       const int dq_lane = ctid % 32;
       float* const dq_head = args.dq_accum + dq_offset +
                              (Tr::kDqSplitD ? (ctid / 128) * Tr::kDqColBase : 0) +
@@ -745,6 +768,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             tc::red_add_f32x2(dq_row + 8 * i, dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
           }
         }
+      }
+      if (sem != nullptr) {
+        named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
+        if (ctid % 128 == 0) dq_pass_turn(sem);
       }
     }
   }

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "common/mask.h"
 #include "cuda/tc_primitives.cuh"
 
 namespace jax_flash::cuda {
@@ -32,6 +33,43 @@ inline cudaError_t zero_dq_accum(float* dq_accum, int64_t elems, cudaStream_t st
   if (elems == 0) return cudaSuccess;
   return cudaMemsetAsync(dq_accum, 0, elems * sizeof(float), stream);
 }
+
+// Zeroes the deterministic backward's `count` dQ counters (BwdParams::dq_semaphores) on `stream`.
+inline cudaError_t zero_dq_semaphores(int32_t* sems, int64_t count, cudaStream_t stream) {
+  if (sems == nullptr || count == 0) return cudaSuccess;
+  return cudaMemsetAsync(sems, 0, count * sizeof(int32_t), stream);
+}
+
+// The deterministic backward adds the contributions to one dQ tile (query tile m of a sequence,
+// one query head) in the order of the key tiles, ascending: the key-tile CTA j waits until the
+// tile's counter says that every lower key tile that visits the tile has added its part, adds its
+// own, and bumps the counter. For the band of common/mask.h the key tiles that visit a query tile
+// are one run, from the first whose keys reach the tile's first row's band (lo) to the last, so
+// key tile j comes `dq_ticket` = j - lo places into the order. A CTA only waits for CTAs of lower
+// grid index, which the hardware starts no later than itself, so the wait always ends.
+JF_HOST_DEVICE int dq_ticket(const SeqMask& mask, int64_t m0, int64_t n0, int64_t block_n) {
+  const int64_t x = m0 + mask.lo_shift;
+  const int64_t lo = x < 0 ? 0 : x / block_n;
+  return static_cast<int>(n0 / block_n - lo);
+}
+
+#if defined(__CUDACC__)
+// Spins (one thread) until *sem == target; the acquire orders the earlier CTAs' dQ additions,
+// which they released, before the caller's own.
+__device__ __forceinline__ void dq_wait_turn(const int32_t* sem, int target) {
+  int value;
+  do {
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(value) : "l"(sem) : "memory");
+  } while (value != target);
+}
+
+// Passes the turn on (one thread, after a barrier that follows every thread's additions): the
+// fence makes the additions the barrier ordered before it visible before the counter moves.
+__device__ __forceinline__ void dq_pass_turn(int32_t* sem) {
+  asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+  asm volatile("red.relaxed.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem) : "memory");
+}
+#endif
 
 // dq = T(scale * dq_accum) over `elems` elements on `stream`.
 template <typename T>

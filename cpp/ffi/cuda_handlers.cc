@@ -33,7 +33,8 @@ ffi::Error bwd_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                     ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer delta,
                     ffi::RemainingArgs extras, ffi::Result<ffi::AnyBuffer> dq,
                     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                    ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Dictionary attrs) {
+                    ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> dq_semaphores,
+                    ffi::Dictionary attrs) {
   auto call = decode_bwd(q, k, v, dout, lse, delta, extras, *dq, *dk, *dv, attrs);
   if (call.has_error()) return call.error();
   // The scratch is only needed (and only sized) for the tensor-core path; the f32/f64 path gets
@@ -44,6 +45,15 @@ ffi::Error bwd_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
       return e;
     }
     call->params.dq_accum = static_cast<float*>(dq_accum->untyped_data());
+    // The deterministic backward's counters, one per dQ row and head.
+    if (call->deterministic) {
+      const int64_t rows = call->params.layout.rows_q() * call->params.heads_q;
+      if (auto e = expect_buffer(*dq_semaphores, ffi::DataType::S32, rows, "dq_semaphores");
+          e.failure()) {
+        return e;
+      }
+      call->params.dq_semaphores = static_cast<int32_t*>(dq_semaphores->untyped_data());
+    }
   }
   return cuda_status(cuda::attention_bwd(call->params, call->dtype, stream),
                      "attention backward launch");
@@ -78,5 +88,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBwdCuda, jax_flash::ffi_glue::bwd_cuda,
                                   .Ret<xla::ffi::AnyBuffer>()  // dk       [..., Sk, Hkv, D]
                                   .Ret<xla::ffi::AnyBuffer>()  // dv       [..., Sk, Hkv, D]
                                   .Ret<xla::ffi::AnyBuffer>()  // dq_accum fp32 scratch
+                                  .Ret<xla::ffi::AnyBuffer>()  // dq_semaphores int32 scratch
                                   .Attrs<xla::ffi::Dictionary>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -103,6 +103,7 @@ template <class P>
 struct Call {
   P params;
   DType dtype;
+  bool deterministic;  // Options::deterministic, for the handler that provides the scratch
 };
 using FwdCall = Call<FwdParams>;
 // params.dq_accum is left null for the caller to fill where needed.
@@ -147,6 +148,7 @@ struct Options {
   bool has_segments;
   bool has_sinks;
   bool varlen;
+  bool deterministic;  // backward: add dQ contributions in a fixed order (CUDA)
 };
 
 inline ffi::ErrorOr<Options> decode_options(const ffi::Dictionary& attrs) {
@@ -173,6 +175,7 @@ inline ffi::ErrorOr<Options> decode_options(const ffi::Dictionary& attrs) {
   read(o.has_segments, "has_segments");
   read(o.has_sinks, "has_sinks");
   read(o.varlen, "varlen");
+  read(o.deterministic, "deterministic");
   if (error.failure()) return ffi::Unexpected(error);
   if (!std::isfinite(o.softmax_scale) || o.softmax_scale <= 0.0) {
     return ffi::Unexpected(invalid("softmax_scale must be finite and positive"));
@@ -296,6 +299,7 @@ inline ffi::ErrorOr<Call<P>> decode_inputs(const ffi::AnyBuffer& q, const ffi::A
   const AttentionDims& d = *dims;
   Call<P> call{};
   call.dtype = *dtype;
+  call.deterministic = options->deterministic;
   P& p = call.params;
   p.q = q.untyped_data();
   p.k = k.untyped_data();
@@ -358,6 +362,7 @@ inline ffi::ErrorOr<BwdCall> decode_bwd(const ffi::AnyBuffer& q, const ffi::AnyB
   p.dk = dk.untyped_data();
   p.dv = dv.untyped_data();
   p.dq_accum = nullptr;
+  p.dq_semaphores = nullptr;
   return call;
 }
 

@@ -32,7 +32,7 @@ SEQ = P(None, "sp")  # [batch, seq, ...] sharded along the sequence
 LSE = P(None, None, "sp")  # [batch, heads, seq]
 
 
-def _ring_vjp(layout, causal, window, with_ids):
+def _ring_vjp(layout, causal, window, with_ids, deterministic=False):
     """jit(q, k, v, ids, dout, dlse) -> (out, lse, (dq, dk, dv)) of ring_attention over the
     mesh axis "sp", all arrays in the layout's order."""
     m = mesh((N,), ("sp",))
@@ -40,7 +40,7 @@ def _ring_vjp(layout, causal, window, with_ids):
     def local(q, k, v, ids):
         return jax_flash.ring_attention(
             q, k, v, axis_name="sp", causal=causal, window=window,
-            segment_ids=ids, layout=layout, return_lse=True,
+            segment_ids=ids, layout=layout, return_lse=True, deterministic=deterministic,
         )  # fmt: skip
 
     ring = jax.shard_map(
@@ -257,3 +257,21 @@ def test_ring_beside_data_parallelism(rng):
         ("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads), strict=True
     ):
         assert rel_l2(jax_flash.from_zigzag(got, 4), want) <= 1e-5, name
+
+
+def test_deterministic_option_reaches_every_block(rng):
+    """deterministic=True changes the order of the GPU kernels' dQ sums only: on these CPU
+    devices, whose kernels are deterministic either way, the results are bitwise the same."""
+    seq = N * 6
+    q, k, v = make_qkv(
+        rng, batch=1, seqlen_q=seq, seqlen_k=seq, heads_q=2, heads_kv=1, head_dim=16,
+        dtype=jnp.float32,
+    )  # fmt: skip
+    dout = normal(rng, q.shape, jnp.float32)
+    dlse = normal(rng, (1, 2, seq), jnp.float32)
+    results = []
+    for deterministic in (False, True):
+        _, vjp = _ring_vjp("zigzag", True, None, False, deterministic)
+        results.append(jax.jit(vjp)(q, k, v, None, dout, dlse))
+    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
