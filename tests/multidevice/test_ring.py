@@ -144,10 +144,11 @@ def test_ring_matches_reference(rng, layout, causal, heads, shard_len, window, w
 
 
 def _step_has_work(layout, causal, window, shard_len, step):
+    from jax_flash._kernel import Spec
     from jax_flash.ring import _plan, _window
 
     left, right = _window(causal, window)
-    near, far = _plan(N, shard_len, layout, 1.0, left, right).steps[step]
+    near, far = _plan(N, shard_len, layout, Spec(softmax_scale=1.0), left, right).steps[step]
     return bool(near or far)
 
 
