@@ -13,6 +13,8 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "cuda/decode.h"
 #include "cuda/decode_merge.cuh"
@@ -30,12 +32,42 @@ using decode::TcTraits;
 constexpr int64_t kMaxPositions = INT_MAX - 1024;
 
 template <typename Tr>
-cudaError_t run_tc_rows(const DecodeParams& p, TcArgs args, cudaStream_t stream) {
+cudaError_t launch_rows(const DecodeParams& p, TcArgs args, cudaStream_t stream) {
   args.m_blocks = (args.rows + Tr::kBlockM - 1) / Tr::kBlockM;
   const int64_t blocks = p.batch * p.heads_kv * p.num_splits * args.m_blocks;
   if (blocks > INT_MAX) return cudaErrorInvalidValue;
   return p.paged() ? decode::launch_tc<Tr, true>(p, args, blocks, stream)
                    : decode::launch_tc<Tr, false>(p, args, blocks, stream);
+}
+
+// JAX_FLASH_DECODE_TILES=compact forces the compact tiles on any device, so that one GPU tests
+// both configurations (tools/decode_check.cu). Read once per process.
+bool compact_tiles_forced() {
+  static const bool forced = [] {
+    const char* value = std::getenv("JAX_FLASH_DECODE_TILES");
+    return value != nullptr && std::strcmp(value, "compact") == 0;
+  }();
+  return forced;
+}
+
+// The full-depth tiles where the device's per-block shared memory holds them (sm_90, and at
+// head_dim 64 every sm_80+ part), the compact ones elsewhere. Two attribute reads, no
+// synchronisation.
+template <typename T, int kHeadDim, int kMTiles>
+cudaError_t run_tc_rows(const DecodeParams& p, const TcArgs& args, cudaStream_t stream) {
+  using Full = TcTraits<T, kHeadDim, kMTiles, false>;
+  using Compact = TcTraits<T, kHeadDim, kMTiles, true>;
+  int device = 0;
+  int smem_optin = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  }
+  if (err != cudaSuccess) return err;
+  if (Full::kSmemBytes <= smem_optin && !compact_tiles_forced())
+    return launch_rows<Full>(p, args, stream);
+  if (Compact::kSmemBytes <= smem_optin) return launch_rows<Compact>(p, args, stream);
+  return cudaErrorNotSupported;
 }
 
 // Rows per block: one m16 tile when the packed rows fit it (Sq = 1 at GQA ratio <= 16, the
@@ -44,10 +76,10 @@ cudaError_t run_tc_rows(const DecodeParams& p, TcArgs args, cudaStream_t stream)
 template <typename T, int kHeadDim>
 cudaError_t run_tc_dim(const DecodeParams& p, const TcArgs& args, cudaStream_t stream) {
   if constexpr (kHeadDim == 256) {
-    return run_tc_rows<TcTraits<T, kHeadDim, 1>>(p, args, stream);
+    return run_tc_rows<T, kHeadDim, 1>(p, args, stream);
   } else {
-    if (args.rows <= 16) return run_tc_rows<TcTraits<T, kHeadDim, 1>>(p, args, stream);
-    return run_tc_rows<TcTraits<T, kHeadDim, 2>>(p, args, stream);
+    if (args.rows <= 16) return run_tc_rows<T, kHeadDim, 1>(p, args, stream);
+    return run_tc_rows<T, kHeadDim, 2>(p, args, stream);
   }
 }
 

@@ -8,7 +8,7 @@
 // query position are adjacent, which keeps a row's query index a single division.
 //
 // Work split. One block owns (sequence, KV head, split, block of kBlockM packed rows). Its keys
-// stream through a kStages-deep cp.async ring of kBlockN-key K/V tiles; the four warps take 16
+// stream through a kStages-deep cp.async ring of kBlockN-key K/V tiles; the warps take 16
 // keys of each tile apiece, each with its own online-softmax state over all the block's rows, so
 // no warp waits on another inside the key loop. The warps' (m, l, O) are merged once, through
 // shared memory, in the epilogue. Decode does ~1 FLOP per byte, so the design goal is bytes in
@@ -37,22 +37,26 @@
 
 namespace jax_flash::cuda::decode {
 
-// The tile shapes of one (dtype, padded head_dim, m16 tiles per block) configuration.
+// The tile shapes of one (dtype, padded head_dim, m16 tiles per block, compact) configuration.
 //  - kBlockN = 64 keys: four warps x 16 keys, the k16 step of PV. It is also the split granule.
 //  - kStages: as deep as two blocks per SM allow at head_dim 64 / 128 (233472 B per SM, 1 KB
 //    reserved per block): d64 5 x 18 KB, d128 3 x 34 KB; d256 3 x 66 KB with one block per SM.
-template <typename T_, int kHeadDim_, int kMTiles_>
+//  - kCompact: the fallback for GPUs with less shared memory per block than these need (sm_80:
+//    163 KB, sm_86 / sm_89: 99 KB): two stages, and at d256 two warps (32-key tiles), so that
+//    every configuration fits 99 KB.
+template <typename T_, int kHeadDim_, int kMTiles_, bool kCompact_ = false>
 struct TcTraits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kMTiles = kMTiles_;
-  static constexpr int kNWarps = 4;
+  static constexpr bool kCompact = kCompact_;
+  static constexpr int kNWarps = kCompact && kHeadDim == 256 ? 2 : 4;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kKeysPerWarp = 16;
   static constexpr int kBlockN = kNWarps * kKeysPerWarp;
   static constexpr int kBlockM = 16 * kMTiles;
-  static constexpr int kStages = kHeadDim == 64 ? 5 : 3;
-  static constexpr int kMinBlocks = kHeadDim == 256 ? 1 : 2;
+  static constexpr int kStages = kCompact ? 2 : (kHeadDim == 64 ? 5 : 3);
+  static constexpr int kMinBlocks = kHeadDim == 256 || kCompact ? 1 : 2;
 
   static constexpr int kOTiles = kHeadDim / 8;    // n8 tiles of O per m16 tile
   static constexpr int kQKSteps = kHeadDim / 16;  // k16 steps of QK^T
@@ -81,6 +85,8 @@ struct TcTraits {
   static_assert(kStages >= 2, "the ring needs a tile in flight while one is computed");
   static_assert(kOBufBytes <= kRingBytes, "the epilogue's O buffer reuses the ring");
   static_assert(kMinBlocks * (kSmemBytes + 1024) <= 233472, "resident blocks exceed sm_90 smem");
+  static_assert(!kCompact || kSmemBytes <= 101376, "compact tiles must fit sm_86's 99 KB");
+  static_assert(kBlockM <= kNThreads, "one thread merges each row's warp states");
 };
 
 // Scalars derived once on the host.
