@@ -6,6 +6,8 @@
 //       -DJAX_FLASH_BUILT_SM90A=1 tools/decode_check.cu cpp/cuda/decode.cu -o build/decode_check
 // Run: build/decode_check            every correctness case, then exit 1 if any failed
 //      build/decode_check --bench    the bandwidth table (bf16, GQA 32/8, head_dim 128)
+//      JAX_FLASH_DECODE_TILES=compact build/decode_check   the same cases on the compact tiles
+//                                    (the configuration GPUs with < 227 KB smem per block get)
 //
 // Correctness: random problems built on the host, run through decode_fwd, compared with a float64
 // host reference written here from the semantics (not through common/mask.h): query i of sequence
@@ -706,10 +708,13 @@ __global__ void fill_bf16(__nv_bfloat16* x, int64_t n, uint64_t seed) {
   }
 }
 
-// The split count the kernels are tuned for (see cpp/cuda/decode.cu): about two blocks per SM.
-int64_t recommended_splits(int64_t batch, int64_t heads_kv, int64_t rows, int64_t keys, int sms) {
-  const int64_t m_blocks = rows <= 16 ? 1 : (rows + 31) / 32;
-  const int64_t want = (2 * sms + batch * heads_kv * m_blocks - 1) / (batch * heads_kv * m_blocks);
+// The split count the kernels are tuned for (cpp/cuda/decode.cu): one wave of resident blocks.
+int64_t recommended_splits(int64_t batch, int64_t heads_kv, int64_t rows, int64_t keys,
+                           int64_t head_dim, int sms) {
+  const int64_t rows_per_block = rows <= 16 ? 16 : (head_dim > 128 ? 16 : 32);
+  const int64_t m_blocks = (rows + rows_per_block - 1) / rows_per_block;
+  const int64_t slots = static_cast<int64_t>(sms) * (head_dim > 128 ? 1 : 2);
+  const int64_t want = slots / (batch * heads_kv * m_blocks);
   const int64_t cap = std::max<int64_t>(1, (keys + 255) / 256);
   return std::clamp<int64_t>(want, 1, cap);
 }
@@ -762,7 +767,7 @@ void bench() {
           CHECK_CUDA(cudaMalloc(&d_table, perm.size() * 4));
           CHECK_CUDA(cudaMemcpy(d_table, perm.data(), perm.size() * 4, cudaMemcpyHostToDevice));
         }
-        const int64_t rec = recommended_splits(sh.batch, hkv, (hq / hkv) * sq, sh.keys, sms);
+        const int64_t rec = recommended_splits(sh.batch, hkv, (hq / hkv) * sq, sh.keys, hd, sms);
         std::vector<int64_t> sweep = {1, std::max<int64_t>(1, rec / 2), rec, rec * 3 / 2, rec * 2};
         std::sort(sweep.begin(), sweep.end());
         sweep.erase(std::unique(sweep.begin(), sweep.end()), sweep.end());

@@ -2,11 +2,15 @@
 // one kernel instantiation, launches the split pass and, with num_splits > 1, the merge pass.
 // Nothing here allocates, synchronises or copies between host and device.
 //
-// Split count the kernels want (chosen by the caller, see the report in decode_tc.cuh's history):
-// enough blocks to fill the device, about two resident blocks per SM for f16/bf16 at head_dim
-// <= 128 (one at 256), while each split keeps several 64-key tiles:
-//   m_blocks = ceil(G * seqlen_q / (G * seqlen_q <= 16 ? 16 : 32))   (16 at head_dim > 128)
-//   splits   = clamp(ceil(2 * sm_count / (batch * heads_kv * m_blocks)), 1, ceil(keys / 256))
+// The split count (chosen by the caller) should fill the device in one wave without a ragged
+// tail, and leave every split several 64-key tiles. With R = heads_q / heads_kv * seqlen_q:
+//   f16/bf16: m_blocks = R <= 16 ? 1 : ceil(R / (head_dim > 128 ? 16 : 32)),
+//             slots = sm_count * (head_dim > 128 ? 1 : 2)        (resident blocks on sm_90),
+//             splits = clamp(floor(slots / (batch * heads_kv * m_blocks)), 1, ceil(max_keys / 256))
+//   f32/f64:  splits = clamp(ceil(32 * sm_count / (batch * heads_q * seqlen_q)), 1,
+//                            ceil(max_keys / 128))
+// (floor, not ceil, for f16/bf16: 4 splits x 64 sequence-heads fill 264 slots, 5 would run a
+// second wave for 56 blocks.) num_splits = 1 needs no partials and no merge pass.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
