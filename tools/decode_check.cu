@@ -600,6 +600,38 @@ std::vector<Case> cases() {
     // Lengths out of range are clamped into [0, capacity].
     add({n + " gqa4/2 d128 clamp lengths paged16", t, 3, 2, 4, 2, 128, 160, 16, {100000, -5, 77}});
   }
+  // Several row blocks per KV head (64 packed rows: two blocks of 32 at d128, four of 16 at d256).
+  add({"bf16 gqa32/8 d128 sq16 causal paged16 sink",
+       DType::kBF16,
+       2,
+       16,
+       32,
+       8,
+       128,
+       700,
+       16,
+       {700, 12},
+       kUnbounded,
+       0,
+       0,
+       true,
+       0.0,
+       true});
+  add({"f16 gqa16/2 d256 sq8 window cap",
+       DType::kF16,
+       2,
+       8,
+       16,
+       2,
+       256,
+       600,
+       0,
+       {600, 100},
+       200,
+       0,
+       0,
+       true,
+       2.0});
   // Long sequence: many tiles per split (split boundaries inside the range).
   add({"bf16 gqa32/8 d128 sq1 long", DType::kBF16, 1, 1, 32, 8, 128, 20000, 0, {20000}});
   add({"bf16 gqa32/8 d128 sq4 long window paged256",
