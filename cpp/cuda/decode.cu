@@ -68,8 +68,9 @@ cudaError_t run_tc_rows(const DecodeParams& p, const TcArgs& args, cudaStream_t 
     err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   }
   if (err != cudaSuccess) return err;
-  if (Full::kSmemBytes <= smem_optin && !compact_tiles_forced())
+  if (Full::kSmemBytes <= smem_optin && !compact_tiles_forced()) {
     return launch_rows<Full>(p, args, stream);
+  }
   if (Compact::kSmemBytes <= smem_optin) return launch_rows<Compact>(p, args, stream);
   return cudaErrorNotSupported;
 }
