@@ -516,11 +516,15 @@ template <typename Tr, bool kPaged>
 cudaError_t launch_tc(const DecodeParams& p, const TcArgs& args, int64_t blocks,
                       cudaStream_t stream) {
   const auto kernel = decode_tc_kernel<Tr, kPaged>;
-  if constexpr (Tr::kSmemBytes > 48 * 1024) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
-    if (err != cudaSuccess) return err;
-  }
+  // The dynamic shared-memory limit is a per-device function attribute, so it is set on every
+  // launch; the largest carveout lets kMinBlocks blocks share an SM (K/V pass through shared
+  // memory only, L1 has nothing to keep).
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             cudaSharedmemCarveoutMaxShared);
+  if (err != cudaSuccess) return err;
   kernel<<<static_cast<unsigned>(blocks), Tr::kNThreads, Tr::kSmemBytes, stream>>>(p, args);
   return cudaGetLastError();
 }
