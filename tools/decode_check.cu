@@ -8,6 +8,7 @@
 //      build/decode_check --bench    the bandwidth table (bf16, GQA 32/8, head_dim 128)
 //      JAX_FLASH_DECODE_TILES=compact build/decode_check   the same cases on the compact tiles
 //                                    (the configuration GPUs with < 227 KB smem per block get)
+//      compute-sanitizer --tool memcheck build/decode_check   (racecheck / synccheck likewise)
 //
 // Correctness: random problems built on the host, run through decode_fwd, compared with a float64
 // host reference written here from the semantics (not through common/mask.h): query i of sequence
