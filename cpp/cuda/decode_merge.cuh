@@ -1,0 +1,97 @@
+// Merge pass of the decode call (common/decode_params.h), when num_splits > 1: each split s left
+// a normalised partial O_s and its lse_s over its keys; the row's result is
+//   lse = log(sum_s exp(lse_s) + exp(sink)),  O = sum_s exp(lse_s - lse) * O_s,
+// in the stats precision with full-precision exp/log. The sink enters here, once. A row whose
+// splits and sink are all -inf (it sees no key) gets lse = -inf and O = 0, never NaN.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/decode_params.h"
+#include "cuda/decode_simt.cuh"
+
+namespace jax_flash::cuda::decode {
+
+template <typename T, typename S>
+__device__ __forceinline__ T to_output(S x) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __float2half_rn(x);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __float2bfloat16_rn(x);
+  } else {
+    return static_cast<T>(x);
+  }
+}
+
+// One warp per row of lse's [batch, heads_q, seqlen_q]; lanes walk the splits for the max and the
+// sum, then the head-dim columns (coalesced partial reads) for O. T: output dtype, S: stats.
+template <typename T, typename S>
+__global__ void __launch_bounds__(kSimtWarps * 32) decode_merge_kernel(const DecodeParams p) {
+  constexpr int kPerLane = kSimtMaxHeadDim / 32;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  int64_t w = static_cast<int64_t>(blockIdx.x) * kSimtWarps + static_cast<int>(threadIdx.x) / 32;
+  const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
+  if (w >= rows) return;
+  const int64_t row = w;  // the lse index
+  const int64_t i = w % p.seqlen_q;
+  w /= p.seqlen_q;
+  const int64_t h = w % p.heads_q;
+  const int64_t b = w / p.heads_q;
+  const int d = static_cast<int>(p.head_dim);
+  const int64_t n_splits = p.num_splits;
+  const int64_t split_stride = p.heads_q * p.seqlen_q;  // between splits in partial_lse
+  const S* part_lse =
+      static_cast<const S*>(p.partial_lse) + (b * n_splits * p.heads_q + h) * p.seqlen_q + i;
+  const S* part_o = static_cast<const S*>(p.partial_o) +
+                    ((b * n_splits * p.heads_q + h) * p.seqlen_q + i) * p.head_dim;
+  const S neg_inf = simt::neg_inf<S>();
+
+  S m = neg_inf;
+  for (int64_t s = lane; s < n_splits; s += 32) m = fmax(m, part_lse[s * split_stride]);
+  m = warp_max(m);
+  S sink = neg_inf;
+  if (p.mask.sinks != nullptr) {
+    sink = static_cast<const S*>(p.mask.sinks)[b * p.mask.sinks_batch_stride + h];
+    m = fmax(m, sink);
+  }
+  T* o_row = static_cast<T*>(p.o) + ((b * p.seqlen_q + i) * p.heads_q + h) * p.head_dim;
+  S* lse_out = static_cast<S*>(p.lse);
+  if (m == neg_inf) {
+#pragma unroll
+    for (int t = 0; t < kPerLane; ++t) {
+      if (lane + 32 * t < d) o_row[lane + 32 * t] = to_output<T>(S(0));
+    }
+    if (lane == 0) lse_out[row] = neg_inf;
+    return;
+  }
+  S sum = S(0);
+  for (int64_t s = lane; s < n_splits; s += 32) {
+    sum += simt::exp_full(part_lse[s * split_stride] - m);
+  }
+  sum = warp_sum(sum) + simt::exp_full(sink - m);
+  const S lse = m + simt::log_full(sum);
+
+  S o[kPerLane];
+#pragma unroll
+  for (int t = 0; t < kPerLane; ++t) o[t] = S(0);
+  for (int64_t s = 0; s < n_splits; ++s) {
+    const S weight = simt::exp_full(part_lse[s * split_stride] - lse);
+    if (weight == S(0)) continue;  // empty splits (lse_s = -inf), uniform across the warp
+    const S* src = part_o + s * split_stride * p.head_dim;
+#pragma unroll
+    for (int t = 0; t < kPerLane; ++t) {
+      if (lane + 32 * t < d) o[t] = fma(weight, src[lane + 32 * t], o[t]);
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < kPerLane; ++t) {
+    if (lane + 32 * t < d) o_row[lane + 32 * t] = to_output<T>(o[t]);
+  }
+  if (lane == 0) lse_out[row] = lse;
+}
+
+}  // namespace jax_flash::cuda::decode
