@@ -187,8 +187,8 @@ def _bwd_cuda(q, k, v, dout, lse, delta, aux, *, spec):
     # handler never allocates. The scalar path needs none and gets a placeholder.
     half = jnp.dtype(q.dtype) in _HALF_DTYPES
     scratch_shape = q.shape if half else (1,)
-    # The deterministic order's counters: one per dQ row and head (the scalar path needs none).
-    semaphore_shape = q.shape[:-1] if half and spec.deterministic else (1,)
+    # The deterministic order's counters: two per dQ row and head (the scalar path needs none).
+    semaphore_shape = (*q.shape[:-1], 2) if half and spec.deterministic else (1,)
     out_types = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct(k.shape, k.dtype),

@@ -50,9 +50,9 @@ struct BwdParams {
   // fp32 scratch for atomically accumulated dQ, laid out like dQ; used by the
   // CUDA tensor-core path only, nullptr elsewhere. The launcher zeroes it on the stream.
   float* dq_accum;
-  // int32 scratch of rows_q * heads_q counters (one per dQ row and head; only a query tile's first
-  // row is used), or nullptr. Given, the tensor-core paths add each dQ tile's contributions in a
-  // fixed order (key tiles ascending), so dQ is bitwise reproducible; without it the fp32
+  // int32 scratch of rows_q * heads_q * 2 counters (two per dQ row and head; only a query tile's
+  // first row is used), or nullptr. Given, the tensor-core paths add each dQ tile's contributions
+  // in a fixed order (key tiles descending), so dQ is bitwise reproducible; without it the fp32
   // atomics land in whatever order the CTAs reach them. The launcher zeroes it on the stream.
   int32_t* dq_semaphores;
   int64_t heads_q;

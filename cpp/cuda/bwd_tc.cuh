@@ -138,7 +138,7 @@ struct BwdArgs {
   void* dk;            // [rows_k, heads_kv, D]
   void* dv;            // [rows_k, heads_kv, D]
   float* dq_accum;     // [rows_q, heads_q, D]
-  // [rows_q, heads_q] counters that put each dQ tile's additions in key-tile order
+  // [rows_q, heads_q, kDqCounters] counters that put each dQ tile's additions in key-tile order
   // (dq_convert.cuh); nullptr: atomics in any order. With segment ids every query tile of the
   // band is then visited, since the order counts key tiles by position, not by shared ids.
   int32_t* dq_semaphores;
@@ -604,14 +604,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
     int64_t tile_index;
     {
       const int bid = static_cast<int>(blockIdx.x);
+      const bool ordered = args.dq_semaphores != nullptr;
       if (!args.layout.varlen()) {
-        const int n = bid % args.seq_tiles;
+        const int n =
+            static_cast<int>(dq_launch_tile(bid % args.seq_tiles, args.seq_tiles, ordered));
         const int bh = bid / args.seq_tiles;
         head_kv = bh % args.heads_kv;
         tile_index = static_cast<int64_t>(bh / args.heads_kv) * args.seq_tiles + n;
       } else {
         head_kv = bid / args.tiles;
-        tile_index = bid - head_kv * args.tiles;
+        tile_index = dq_launch_tile(bid - head_kv * args.tiles, args.tiles, ordered);
       }
     }
     const SeqTile tile = args.layout.tile(tile_index, kBlockN, true);
@@ -921,12 +923,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
       // Deterministic: this CTA adds to the tile after every lower key tile that visits it.
       int32_t* const sem =
           args.dq_semaphores != nullptr
-              ? args.dq_semaphores + (info.q_start() + row0) * args.heads_q + ic.head
+              ? args.dq_semaphores +
+                    ((info.q_start() + row0) * args.heads_q + ic.head) * kDqCounters
               : nullptr;
       if (sem != nullptr) {
         if (tid == 0) {
           const SeqMask mask = (kBand ? args.band : Band{}).for_seq(len_q, info.len_k());
-          dq_wait_turn(sem, dq_ticket(mask, row0, info.n0(), kBlockN));
+          const int rows = min(kBlockM, len_q - row0);
+          dq_wait_turn(sem, dq_ticket(mask, row0, rows, info.n0(), kBlockN));
         }
         __syncthreads();
       }

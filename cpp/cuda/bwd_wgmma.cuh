@@ -38,7 +38,7 @@ struct BwdWgmmaArgs {
   const float* lse;    // dense [batch, heads_q, seqlen_q], packed [heads_q, total_q]; natural log
   const float* delta;  // same layout as lse
   float* dq_accum;     // [rows_q, heads_q, D], unscaled dS K sums
-  // [rows_q, heads_q] counters that put each dQ tile's additions in key-tile order
+  // [rows_q, heads_q, kDqCounters] counters that put each dQ tile's additions in key-tile order
   // (dq_convert.cuh); nullptr: atomics in any order. With segment ids every pair of the band is
   // then visited, since the order counts the key tiles by position, not by shared ids.
   int32_t* dq_semaphores;
@@ -168,7 +168,7 @@ struct BwdCtaTile {
 template <int kBlockM, int kBlockN>
 JF_HOST_DEVICE BwdCtaTile bwd_cta_tile(const BwdWgmmaArgs& args, const Band& band, bool segments,
                                        int cta) {
-  const int64_t tile = cta % args.tiles;
+  const int64_t tile = dq_launch_tile(cta % args.tiles, args.tiles, args.dq_semaphores != nullptr);
   const SeqTile st = args.layout.tile(tile, kBlockN, true);
   BwdCtaTile ct;
   ct.span = st.span;
@@ -743,14 +743,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // The thread's position is re-read here (volatile) so that the compiler computes these
       // addresses now, when s and dP^T are dead, instead of keeping them live across the loop.
       const int ctid = fresh_thread_index() - 128;
-      // Deterministic: this warpgroup's turn at the tile comes after both warpgroups of every
-      // lower key tile that visits it, and after warpgroup 0 of this CTA.
+      // Deterministic: this warpgroup's turn at the tile comes after every higher key tile that
+      // visits it. With the head dimension split the warpgroups add to disjoint columns, each
+      // half with its own counter; otherwise both add to every column, warpgroup 0 first.
       int32_t* const sem =
-          args.dq_semaphores != nullptr ? args.dq_semaphores + dq_offset / kD : nullptr;
+          args.dq_semaphores != nullptr
+              ? args.dq_semaphores + dq_offset / kD * kDqCounters + (Tr::kDqSplitD ? cw : 0)
+              : nullptr;
       if (sem != nullptr) {
         if (ctid % 128 == 0) {
-          const int ticket = dq_ticket(cta_tile->mask, m0, cta_tile->n0, kBlockN);
-          dq_wait_turn(sem, Tr::kConsumerWarpgroups * ticket + cw);
+          const int ticket = dq_ticket(cta_tile->mask, m0, rows, cta_tile->n0, kBlockN);
+          dq_wait_turn(sem, Tr::kDqSplitD ? ticket : Tr::kConsumerWarpgroups * ticket + cw);
         }
         named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
       }

@@ -34,23 +34,36 @@ inline cudaError_t zero_dq_accum(float* dq_accum, int64_t elems, cudaStream_t st
   return cudaMemsetAsync(dq_accum, 0, elems * sizeof(float), stream);
 }
 
-// Zeroes the deterministic backward's `count` dQ counters (BwdParams::dq_semaphores) on `stream`.
-inline cudaError_t zero_dq_semaphores(int32_t* sems, int64_t count, cudaStream_t stream) {
-  if (sems == nullptr || count == 0) return cudaSuccess;
-  return cudaMemsetAsync(sems, 0, count * sizeof(int32_t), stream);
+// The deterministic backward keeps kDqCounters counters per dQ row and head
+// (BwdParams::dq_semaphores; only a query tile's first row is used): one per group of threads
+// that add to disjoint columns of the tile.
+inline constexpr int kDqCounters = 2;
+
+// Zeroes the deterministic backward's counters for `rows` dQ rows x heads on `stream`.
+inline cudaError_t zero_dq_semaphores(int32_t* sems, int64_t rows, cudaStream_t stream) {
+  if (sems == nullptr || rows == 0) return cudaSuccess;
+  return cudaMemsetAsync(sems, 0, rows * kDqCounters * sizeof(int32_t), stream);
 }
 
-// The deterministic backward adds the contributions to one dQ tile (query tile m of a sequence,
-// one query head) in the order of the key tiles, ascending: the key-tile CTA j waits until the
-// tile's counter says that every lower key tile that visits the tile has added its part, adds its
-// own, and bumps the counter. For the band of common/mask.h the key tiles that visit a query tile
-// are one run, from the first whose keys reach the tile's first row's band (lo) to the last, so
-// key tile j comes `dq_ticket` = j - lo places into the order. A CTA only waits for CTAs of lower
-// grid index, which the hardware starts no later than itself, so the wait always ends.
-JF_HOST_DEVICE int dq_ticket(const SeqMask& mask, int64_t m0, int64_t n0, int64_t block_n) {
-  const int64_t x = m0 + mask.lo_shift;
-  const int64_t lo = x < 0 ? 0 : x / block_n;
-  return static_cast<int>(n0 / block_n - lo);
+// The deterministic backward adds the contributions to one dQ tile (query tile of a sequence, one
+// query head) in the order of the key tiles, descending: the key-tile CTA waits until the tile's
+// counter says that every higher key tile that visits the tile has added its part, adds its own,
+// and bumps the counter. For the band of common/mask.h the key tiles that visit a query tile are
+// one run, up to the one holding the last key the tile's last row may see (hi), so key tile j comes
+// `dq_ticket` = hi - j places into the order. Descending is the order in which a causal backward
+// reaches a query tile anyway (the CTA of a later key tile starts at a later query tile), so there
+// it costs little waiting. The grid is launched with the key tiles of a head in descending order
+// too (dq_launch_tile), so a CTA only waits for CTAs of lower grid index, which the hardware starts
+// no later than itself: the wait always ends.
+JF_HOST_DEVICE int dq_ticket(const SeqMask& mask, int64_t m0, int64_t rows, int64_t n0,
+                             int64_t block_n) {
+  const int64_t hi = (mask.key_end(m0 + rows) - 1) / block_n;
+  return static_cast<int>(hi - n0 / block_n);
+}
+
+// The key tile (of `tiles`, in schedule order) that grid position `t` of a head works on.
+JF_HOST_DEVICE int64_t dq_launch_tile(int64_t t, int64_t tiles, bool deterministic) {
+  return deterministic ? tiles - 1 - t : t;
 }
 
 #if defined(__CUDACC__)

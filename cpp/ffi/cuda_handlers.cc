@@ -45,9 +45,9 @@ ffi::Error bwd_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
       return e;
     }
     call->params.dq_accum = static_cast<float*>(dq_accum->untyped_data());
-    // The deterministic backward's counters, one per dQ row and head.
+    // The deterministic backward's counters, two per dQ row and head.
     if (call->deterministic) {
-      const int64_t rows = call->params.layout.rows_q() * call->params.heads_q;
+      const int64_t rows = call->params.layout.rows_q() * call->params.heads_q * 2;
       if (auto e = expect_buffer(*dq_semaphores, ffi::DataType::S32, rows, "dq_semaphores");
           e.failure()) {
         return e;
