@@ -127,11 +127,10 @@ cudaError_t run_simt(const DecodeParams& p, cudaStream_t stream) {
 
 template <typename T, typename S>
 cudaError_t run_merge(const DecodeParams& p, cudaStream_t stream) {
-  const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
-  const int64_t blocks = (rows + decode::kSimtWarps - 1) / decode::kSimtWarps;
-  if (blocks > INT_MAX) return cudaErrorInvalidValue;
+  const int64_t rows = p.batch * p.heads_q * p.seqlen_q;  // one block each
+  if (rows > INT_MAX) return cudaErrorInvalidValue;
   decode::decode_merge_kernel<T, S>
-      <<<static_cast<unsigned>(blocks), decode::kSimtWarps * 32, 0, stream>>>(p);
+      <<<static_cast<unsigned>(rows), decode::kMergeWarps * 32, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

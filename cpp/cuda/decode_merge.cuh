@@ -27,20 +27,25 @@ __device__ __forceinline__ T to_output(S x) {
   }
 }
 
-// One warp per row of lse's [batch, heads_q, seqlen_q]; lanes walk the splits for the max and the
-// sum, then the head-dim columns (coalesced partial reads) for O. T: output dtype, S: stats.
+// One block of kMergeWarps warps per row of lse's [batch, heads_q, seqlen_q]. A decode call has
+// few rows (batch x heads_q x seqlen_q, e.g. 32) and up to ~100 splits, so the splits are what is
+// spread: every warp computes the row's max and sum over all splits (lanes stride the splits),
+// then warp w sums the partial rows of splits w, w + kMergeWarps, ... (lanes over the head-dim
+// columns, coalesced, kMergeUnroll splits' loads in flight), and the warps' sums meet in shared
+// memory. T: output dtype, S: stats.
+inline constexpr int kMergeWarps = 8;
+inline constexpr int kMergeUnroll = 4;
+
 template <typename T, typename S>
-__global__ void __launch_bounds__(kSimtWarps * 32) decode_merge_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(kMergeWarps * 32) decode_merge_kernel(const DecodeParams p) {
   constexpr int kPerLane = kSimtMaxHeadDim / 32;
+  __shared__ S partial[kMergeWarps][kSimtMaxHeadDim];
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  int64_t w = static_cast<int64_t>(blockIdx.x) * kSimtWarps + static_cast<int>(threadIdx.x) / 32;
-  const int64_t rows = p.batch * p.heads_q * p.seqlen_q;
-  if (w >= rows) return;
-  const int64_t row = w;  // the lse index
-  const int64_t i = w % p.seqlen_q;
-  w /= p.seqlen_q;
-  const int64_t h = w % p.heads_q;
-  const int64_t b = w / p.heads_q;
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int64_t row = blockIdx.x;  // the lse index
+  const int64_t i = row % p.seqlen_q;
+  const int64_t h = row / p.seqlen_q % p.heads_q;
+  const int64_t b = row / p.seqlen_q / p.heads_q;
   const int d = static_cast<int>(p.head_dim);
   const int64_t n_splits = p.num_splits;
   const int64_t split_stride = p.heads_q * p.seqlen_q;  // between splits in partial_lse
@@ -60,12 +65,14 @@ __global__ void __launch_bounds__(kSimtWarps * 32) decode_merge_kernel(const Dec
   }
   T* o_row = static_cast<T*>(p.o) + ((b * p.seqlen_q + i) * p.heads_q + h) * p.head_dim;
   S* lse_out = static_cast<S*>(p.lse);
-  if (m == neg_inf) {
+  if (m == neg_inf) {  // uniform across the block: every warp saw the same lse values
+    if (warp == 0) {
 #pragma unroll
-    for (int t = 0; t < kPerLane; ++t) {
-      if (lane + 32 * t < d) o_row[lane + 32 * t] = to_output<T>(S(0));
+      for (int t = 0; t < kPerLane; ++t) {
+        if (lane + 32 * t < d) o_row[lane + 32 * t] = to_output<T>(S(0));
+      }
+      if (lane == 0) lse_out[row] = neg_inf;
     }
-    if (lane == 0) lse_out[row] = neg_inf;
     return;
   }
   S sum = S(0);
@@ -78,20 +85,37 @@ __global__ void __launch_bounds__(kSimtWarps * 32) decode_merge_kernel(const Dec
   S o[kPerLane];
 #pragma unroll
   for (int t = 0; t < kPerLane; ++t) o[t] = S(0);
-  for (int64_t s = 0; s < n_splits; ++s) {
-    const S weight = simt::exp_full(part_lse[s * split_stride] - lse);
-    if (weight == S(0)) continue;  // empty splits (lse_s = -inf), uniform across the warp
-    const S* src = part_o + s * split_stride * p.head_dim;
+  // Empty splits have weight exp(-inf) = 0 and an O_s of zeros: they add nothing, so no branch.
+  for (int64_t s0 = warp; s0 < n_splits; s0 += kMergeWarps * kMergeUnroll) {
 #pragma unroll
-    for (int t = 0; t < kPerLane; ++t) {
-      if (lane + 32 * t < d) o[t] = fma(weight, src[lane + 32 * t], o[t]);
+    for (int u = 0; u < kMergeUnroll; ++u) {
+      const int64_t s = s0 + u * kMergeWarps;
+      if (s < n_splits) {
+        const S weight = simt::exp_full(part_lse[s * split_stride] - lse);
+        const S* src = part_o + s * split_stride * p.head_dim;
+#pragma unroll
+        for (int t = 0; t < kPerLane; ++t) {
+          if (lane + 32 * t < d) o[t] = fma(weight, src[lane + 32 * t], o[t]);
+        }
+      }
     }
   }
 #pragma unroll
-  for (int t = 0; t < kPerLane; ++t) {
-    if (lane + 32 * t < d) o_row[lane + 32 * t] = to_output<T>(o[t]);
+  for (int t = 0; t < kPerLane; ++t) partial[warp][lane + 32 * t] = o[t];
+  __syncthreads();
+  // Warp 0 adds the warps' sums in a fixed order (the result does not depend on timing).
+  if (warp == 0) {
+#pragma unroll
+    for (int t = 0; t < kPerLane; ++t) {
+      if (lane + 32 * t < d) {
+        S total = S(0);
+#pragma unroll
+        for (int w = 0; w < kMergeWarps; ++w) total += partial[w][lane + 32 * t];
+        o_row[lane + 32 * t] = to_output<T>(total);
+      }
+    }
+    if (lane == 0) lse_out[row] = lse;
   }
-  if (lane == 0) lse_out[row] = lse;
 }
 
 }  // namespace jax_flash::cuda::decode
