@@ -23,6 +23,7 @@
 
 #include "common/params.h"
 #include "cuda/dq_convert.cuh"
+#include "cuda/kernel_attributes.h"
 #include "cuda/tc_primitives.cuh"
 
 namespace jax_flash::cuda::bwd_tc {
@@ -1063,10 +1064,10 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
 
     auto kernel = bwd_main_kernel<Tr, kBand, kSegments, kSoftcap>;
     constexpr int kSmemBytes = Tr::smem_bytes(kSegments);
-    if (kSmemBytes > 48 * 1024) {
-      const cudaError_t err =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-      if (err != cudaSuccess) return err;
+    if (const cudaError_t err =
+            configure_kernel_once<bwd_main_kernel<Tr, kBand, kSegments, kSoftcap>>(kSmemBytes);
+        err != cudaSuccess) {
+      return err;
     }
     kernel<<<static_cast<unsigned>(num_blocks), Tr::kThreads, kSmemBytes, stream>>>(args);
     const cudaError_t err = cudaGetLastError();

@@ -10,6 +10,7 @@
 #include "cuda/bwd_wgmma.cuh"
 #include "cuda/bwd_wgmma.h"
 #include "cuda/dq_convert.cuh"
+#include "cuda/kernel_attributes.h"
 #include "cuda/sm90_host.h"
 
 namespace jax_flash::cuda {
@@ -138,8 +139,7 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
     args.softcap_log2 = kSoftcap ? static_cast<float>(cap * 1.4426950408889634) : 0.f;
 
     const auto kernel = sm90::bwd_wgmma_kernel<Tr>;
-    cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+    cudaError_t err = configure_kernel_once<sm90::bwd_wgmma_kernel<Tr>>(Tr::kSmemBytes);
     if (err != cudaSuccess) return err;
     kernel<<<static_cast<unsigned>(grid), Tr::kThreads, Tr::kSmemBytes, stream>>>(args, tm_q, tm_k,
                                                                                   tm_v, tm_do);

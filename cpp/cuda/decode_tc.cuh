@@ -33,6 +33,7 @@
 #include <cstdint>
 
 #include "common/decode_params.h"
+#include "cuda/kernel_attributes.h"
 #include "cuda/tc_primitives.cuh"
 
 namespace jax_flash::cuda::decode {
@@ -516,14 +517,11 @@ template <typename Tr, bool kPaged>
 cudaError_t launch_tc(const DecodeParams& p, const TcArgs& args, int64_t blocks,
                       cudaStream_t stream) {
   const auto kernel = decode_tc_kernel<Tr, kPaged>;
-  // The dynamic shared-memory limit is a per-device function attribute, so it is set on every
-  // launch; the largest carveout lets kMinBlocks blocks share an SM (K/V pass through shared
-  // memory only, L1 has nothing to keep).
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
-  if (err != cudaSuccess) return err;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                             cudaSharedmemCarveoutMaxShared);
+  // The dynamic shared-memory limit is a per-device function attribute (set once per device); the
+  // largest carveout lets kMinBlocks blocks share an SM (K/V pass through shared memory only, L1
+  // has nothing to keep).
+  const cudaError_t err =
+      configure_kernel_once<decode_tc_kernel<Tr, kPaged>>(Tr::kSmemBytes, /*max_carveout=*/true);
   if (err != cudaSuccess) return err;
   kernel<<<static_cast<unsigned>(blocks), Tr::kNThreads, Tr::kSmemBytes, stream>>>(p, args);
   return cudaGetLastError();

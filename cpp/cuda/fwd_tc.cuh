@@ -29,6 +29,7 @@
 #include <type_traits>
 
 #include "common/params.h"
+#include "cuda/kernel_attributes.h"
 #include "cuda/tc_primitives.cuh"
 
 namespace jax_flash::cuda::fwd_tc {
@@ -779,10 +780,10 @@ cudaError_t launch_fwd(const FwdParams& params, cudaStream_t stream) {
   const int64_t grid = tiles * params.heads_q;
   if (grid > INT_MAX) return cudaErrorInvalidValue;
   if (grid == 0) return cudaSuccess;
-  if constexpr (kSmemBytes > 48 * 1024) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-    if (err != cudaSuccess) return err;
+  if (const cudaError_t err =
+          configure_kernel_once<fwd_kernel<Tr, kBand, kSegments, kSoftcap>>(kSmemBytes);
+      err != cudaSuccess) {
+    return err;
   }
   FwdArgs args;
   args.q = params.q;

@@ -7,6 +7,7 @@
 
 #include "cuda/fwd_wgmma.cuh"
 #include "cuda/fwd_wgmma.h"
+#include "cuda/kernel_attributes.h"
 #include "cuda/sm90_host.h"
 
 namespace jax_flash::cuda {
@@ -107,8 +108,7 @@ cudaError_t launch(const FwdParams& p, CUtensorMapDataType type, cudaStream_t st
   if (args.tiles == 0) return cudaSuccess;
 
   const auto kernel = sm90::fwd_wgmma_kernel<Tr>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+  const cudaError_t err = configure_kernel_once<sm90::fwd_wgmma_kernel<Tr>>(Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
   const unsigned grid = static_cast<unsigned>(args.tiles * p.heads_q);
   kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(args, tm_q, tm_k, tm_v, tm_o);
