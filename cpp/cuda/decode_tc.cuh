@@ -33,6 +33,7 @@
 #include <cstdint>
 
 #include "common/decode_params.h"
+#include "cuda/grid_dependency.cuh"
 #include "cuda/kernel_attributes.h"
 #include "cuda/tc_primitives.cuh"
 
@@ -122,6 +123,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   constexpr float kNegInf = -INFINITY;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kLn2 = 0.6931471805599453f;
+  // The merge pass is launched as this grid's programmatic dependent: letting it launch as soon
+  // as every block of this grid has started hides its launch latency (its blocks wait for this
+  // grid's completion and memory before reading a partial). A no-op without a dependent.
+  decode_allow_dependents();
 
   extern __shared__ uint4 smem_raw[];  // 16-byte alignment for cp.async and ldmatrix
   char* smem_q = reinterpret_cast<char*>(smem_raw);
