@@ -42,25 +42,46 @@ def decode_applies(seqlen_q: int, seqlen_k: int, *, varlen: bool, segments: bool
 
 
 def choose_num_splits(
-    batch: int, heads_kv: int, max_keys: int, *, platform: str, workers: int
+    batch: int,
+    heads_kv: int,
+    max_keys: int,
+    *,
+    platform: str,
+    workers: int,
+    rows: int = 1,
+    head_dim: int = 128,
+    half: bool = True,
 ) -> int:
     """How many pieces the keys of each (sequence, kv head) are cut into: enough independent
-    pieces of work to fill the device, none too small to pay for its merge.
+    pieces of work to fill the device in one wave, none too short to pay for its merge. Between 1
+    and 64.
 
-    platform "cuda": workers is the SM count; about two pieces per SM,
-    ``min(ceil(2 * workers / (batch * heads_kv)), ceil(max_keys / 256), 64)``.
-    platform "cpu": workers is the thread count; ``batch * heads_kv * splits >= 2 * workers`` with
-    at least 512 keys per piece. Always >= 1."""
+    rows is heads_q / heads_kv * seqlen_q, the query rows of one (sequence, kv head).
+    platform "cuda" (workers: the SM count), as the CUDA decode kernel is laid out: half-precision
+    inputs run one block of up to 16 rows, or of 32 (16 from head_dim 129 up), per (sequence, kv
+    head) and split, two resident blocks per SM (one from head_dim 129 up), so
+    ``splits = floor(slots / (batch * heads_kv * row_blocks))``, at most ``ceil(max_keys / 256)``
+    (floor: one more split would start a second wave); float32/float64 run one warp per row,
+    ``splits = ceil(32 * workers / (batch * heads_kv * rows))``, at most ``ceil(max_keys / 128)``.
+    platform "cpu" (workers: the thread count): ``batch * heads_kv * splits >= 2 * workers``
+    with at least 512 keys per piece."""
     tasks = max(1, batch * heads_kv)
     if platform == "cuda":
-        splits = min(
-            math.ceil(2 * workers / tasks), math.ceil(max_keys / CUDA_KEYS_PER_SPLIT), MAX_SPLITS
-        )
+        if half:
+            wide = head_dim > 128
+            row_blocks = 1 if rows <= 16 else math.ceil(rows / (16 if wide else 32))
+            slots = workers * (1 if wide else 2)
+            splits = min(slots // (tasks * row_blocks), math.ceil(max_keys / CUDA_KEYS_PER_SPLIT))
+        else:
+            splits = min(
+                math.ceil(32 * workers / (tasks * max(1, rows))),
+                math.ceil(max_keys / (CUDA_KEYS_PER_SPLIT // 2)),
+            )
     elif platform == "cpu":
-        splits = min(math.ceil(2 * workers / tasks), max_keys // CPU_KEYS_PER_SPLIT, MAX_SPLITS)
+        splits = min(math.ceil(2 * workers / tasks), max_keys // CPU_KEYS_PER_SPLIT)
     else:
         raise ValueError(f"choose_num_splits: platform must be 'cpu' or 'cuda', got {platform!r}")
-    return max(1, int(splits))
+    return max(1, min(int(splits), MAX_SPLITS))
 
 
 @functools.cache
@@ -139,22 +160,24 @@ def _batch(q) -> int:
     return math.prod(q.shape[:-3])
 
 
+def _splits(q, k, block_table, platform: str, workers: int) -> int:
+    return choose_num_splits(
+        _batch(q), k.shape[-2], _max_keys(k, block_table), platform=platform, workers=workers,
+        rows=q.shape[-2] // k.shape[-2] * q.shape[-3], head_dim=q.shape[-1],
+        half=jnp.dtype(q.dtype) in _HALF_DTYPES,
+    )  # fmt: skip
+
+
 def decode_cpu(q, k, v, cache_seqlens, block_table, sinks, *, spec, num_splits=None):
     if num_splits is None:
-        num_splits = choose_num_splits(
-            _batch(q), k.shape[-2], _max_keys(k, block_table), platform="cpu",
-            workers=cpu_threads(),
-        )  # fmt: skip
+        num_splits = _splits(q, k, block_table, "cpu", cpu_threads())
     return _call(_ffi.DECODE_CPU, q, k, v, cache_seqlens, block_table, sinks, spec, num_splits)
 
 
 def decode_cuda(q, k, v, cache_seqlens, block_table, sinks, *, spec, num_splits=None):
     head_dim = q.shape[-1]
     if num_splits is None:
-        num_splits = choose_num_splits(
-            _batch(q), k.shape[-2], _max_keys(k, block_table), platform="cuda",
-            workers=cuda_sm_count(),
-        )  # fmt: skip
+        num_splits = _splits(q, k, block_table, "cuda", cuda_sm_count())
     # The CUDA decode kernel takes half-precision head dims in multiples of 8; zero columns change
     # neither q.k nor the kept columns of O.
     if jnp.dtype(q.dtype) in _HALF_DTYPES and head_dim % 8:

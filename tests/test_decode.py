@@ -441,13 +441,19 @@ def test_concrete_lengths_checked():
 
 def test_choose_num_splits():
     choose = _decode.choose_num_splits
-    # CUDA: two pieces per SM over the (sequence, kv head) pairs, at most 64, >= 256 keys each.
-    assert choose(1, 8, 65536, platform="cuda", workers=132) == 33
-    assert choose(32, 8, 65536, platform="cuda", workers=132) == 2
-    assert choose(64, 8, 65536, platform="cuda", workers=132) == 1
+    # CUDA, half precision: 2 blocks per SM (1 from head_dim 129), rows in blocks of 16 / 32.
+    assert choose(1, 8, 65536, platform="cuda", workers=132, rows=4) == 33
+    assert choose(8, 8, 65536, platform="cuda", workers=132, rows=4) == 4
+    assert choose(32, 8, 65536, platform="cuda", workers=132, rows=4) == 1
+    assert choose(1, 8, 65536, platform="cuda", workers=132, rows=64) == 16
+    assert choose(1, 8, 65536, platform="cuda", workers=132, rows=64, head_dim=256) == 4
     assert choose(1, 1, 1 << 20, platform="cuda", workers=132) == 64
     assert choose(1, 8, 300, platform="cuda", workers=132) == 2
     assert choose(1, 8, 1, platform="cuda", workers=132) == 1
+    # CUDA, float32/float64: one warp per row, 32 per SM, >= 128 keys per split.
+    assert choose(1, 8, 65536, platform="cuda", workers=132, rows=4, half=False) == 64
+    assert choose(4, 8, 65536, platform="cuda", workers=132, rows=4, half=False) == 33
+    assert choose(1, 8, 300, platform="cuda", workers=132, rows=4, half=False) == 3
     # CPU: B * Hkv * splits >= 2 * threads, each split >= 512 keys.
     assert choose(1, 1, 8192, platform="cpu", workers=2) == 4
     assert choose(1, 2, 8192, platform="cpu", workers=8) == 8
@@ -468,7 +474,7 @@ def test_host_split_choice_is_used(rng):
     )  # fmt: skip
     platform = "cuda" if jax.default_backend() == "gpu" else "cpu"
     workers = _decode.cuda_sm_count() if platform == "cuda" else _decode.cpu_threads()
-    assert _decode.choose_num_splits(1, 1, n, platform=platform, workers=workers) > 1
+    assert _decode.choose_num_splits(1, 1, n, platform=platform, workers=workers, rows=4) > 1
     hlo = jax.jit(lambda *a: kvcache_attention(*a)).lower(q, k, v, lens).as_text()
     assert "num_splits = 1 :" not in hlo
     out, lse = kvcache(q, k, v, lens, return_lse=True)
