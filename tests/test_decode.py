@@ -289,6 +289,8 @@ def test_vmap_contiguous(rng):
     ks, vs = jnp.stack([k, k[::-1]]), jnp.stack([v, v[::-1]])
     lens2 = jnp.stack([lens, lens[::-1]])
     mapped = jax.jit(jax.vmap(lambda q, k, v, n: kvcache_attention(q, k, v, n, return_lse=True)))
+    text = mapped.lower(qs, ks, vs, lens2).as_text()
+    assert len(custom_call_targets(text)) == 1 and "stablehlo.while" not in text
     out, lse = mapped(qs, ks, vs, lens2)
     for i in range(2):
         o, l_ = kvcache(qs[i], ks[i], vs[i], lens2[i], return_lse=True)
@@ -562,7 +564,12 @@ def test_attention_decode_path_top_left(rng):
 def test_attention_decode_path_vmap(rng):
     q, k, v = make_qkv(rng, seqlen_q=1, seqlen_k=257, heads_q=2, heads_kv=1, head_dim=16)
     qs, ks, vs = (jnp.stack([x, 2 * x]) for x in (q, k, v))
-    out = jax.jit(jax.vmap(lambda q, k, v: jax_flash.attention(q, k, v, causal=True)))(qs, ks, vs)
+    fn = jax.jit(jax.vmap(lambda q, k, v: jax_flash.attention(q, k, v, causal=True)))
+    # The vmapped axis folds into the decode call's batch: one launch, no loop.
+    text = fn.lower(qs, ks, vs).as_text()
+    targets = custom_call_targets(text)
+    assert len(targets) == 1 and "decode" in targets[0] and "stablehlo.while" not in text
+    out = fn(qs, ks, vs)
     for i in range(2):
         ref = attention_reference(*f64(qs[i], ks[i], vs[i]), causal=True)
         assert_close("out", out[i], ref, dtype=jnp.float32, kind="fwd")
