@@ -143,6 +143,23 @@ def _gather(pages, table):
     return x.reshape(table.shape[0], -1, *pages.shape[2:])
 
 
+def assert_same_as_contiguous(out, lse, out_c, lse_c):
+    """A paged call against the contiguous call on the same keys. Pages change where keys live,
+    not the keys of a split, and the CPU kernel runs one code path for both layouts: the same
+    bits. The CUDA kernel compiles each layout separately, so there the results are only close
+    (each is held to the reference as well)."""
+    if BACKEND == "cpu":
+        np.testing.assert_array_equal(np.asarray(out, np.float64), np.asarray(out_c, np.float64))
+        if lse is not None:
+            np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_c))
+        return
+    assert rel_l2(out, out_c) <= (1e-5 if out.dtype == jnp.float32 else 1e-2)
+    if lse is not None:
+        finite = np.isfinite(np.asarray(lse_c))
+        assert np.array_equal(finite, np.isfinite(np.asarray(lse)))
+        assert rel_l2(np.where(finite, lse, 0), np.where(finite, lse_c, 0)) <= 1e-5
+
+
 _STATIC = ("causal", "window", "softcap", "num_splits", "return_lse")
 kvcache = jax.jit(kvcache_attention, static_argnames=_STATIC)
 
@@ -158,7 +175,8 @@ def random_lens(rng, batch, capacity, seqlen_q):
 # attention_with_kvcache.
 
 # (seqlen_q, heads_q, heads_kv, head_dim): MHA, GQA, MQA; head dims on and off the vector width.
-SHAPES = [(1, 4, 4, 64), (4, 8, 2, 40), (16, 4, 1, 128)]
+# 36: a half-precision head_dim the CUDA decode kernel takes padded to a multiple of 8.
+SHAPES = [(1, 4, 4, 64), (4, 8, 2, 36), (16, 4, 1, 128)]
 
 
 @pytest.mark.parametrize(
@@ -188,10 +206,8 @@ def test_paged(rng, block_size, dtype):
     k_pages, v_pages, table = to_pages(rng, k, v, block_size)
     out, lse = kvcache(q, k_pages, v_pages, lens, block_table=table, return_lse=True)
     check(out, lse, q, _gather(k_pages, table), _gather(v_pages, table), lens, causal=True)
-    # Pages change where keys live, not the keys of a split: the same bits as the contiguous call.
     out_c, lse_c = kvcache(q, k, v, lens, return_lse=True)
-    np.testing.assert_array_equal(np.asarray(out, np.float64), np.asarray(out_c, np.float64))
-    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_c))
+    assert_same_as_contiguous(out, lse, out_c, lse_c)
 
 
 def test_paged_table_past_length_is_not_read(rng):
@@ -261,7 +277,7 @@ def test_forced_splits(rng, num_splits, dtype):
     out, lse = kvcache(q, k, v, lens, sinks=sinks, return_lse=True, num_splits=num_splits)
     check(out, lse, q, k, v, lens, sinks=sinks, causal=True)
     one, one_lse = kvcache(q, k, v, lens, sinks=sinks, return_lse=True, num_splits=1)
-    limit = 1e-13 if dtype == jnp.float64 else 2e-6
+    limit = 1e-12 if dtype == jnp.float64 else 1e-5
     assert rel_l2(out, one) <= limit
     assert rel_l2(np.where(np.isinf(lse), 0, lse), np.where(np.isinf(one_lse), 0, one_lse)) <= limit
 
@@ -343,7 +359,7 @@ def test_decode_step_example(rng):
     out_paged = jax_flash.attention_with_kvcache(q, k_pages, v_pages, pos + 1, block_table=table)
     ref, _ = reference(*f64(q, k2, v2), pos + 1, causal=True)
     assert_close("out", out, ref, dtype=jnp.float32, kind="fwd")
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(out_paged))
+    assert_same_as_contiguous(out_paged, None, out, None)
 
 
 def test_not_differentiable(rng):
