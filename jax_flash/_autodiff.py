@@ -33,7 +33,8 @@ SUPPORTED = (
 
 
 class ForwardModeError(TypeError):
-    """Raised for forward-mode or second-order differentiation of jax_flash attention."""
+    """Raised for forward-mode or second-order differentiation of jax_flash attention, and for
+    any differentiation of a forward-only entry point (attention_with_kvcache)."""
 
 
 def _error(fn: str, what: str) -> ForwardModeError:
@@ -80,3 +81,31 @@ def not_differentiable(kernel: Callable) -> Callable:
         )
 
     return wrapped
+
+
+def forward_only(fn: str, n_static: int) -> Callable[[Callable], Callable]:
+    """Wraps ``kernel(*arrays, *static)`` (its last ``n_static`` arguments static) so that any
+    derivative of it, reverse or forward mode, raises :class:`ForwardModeError` while tracing,
+    naming the entry point ``fn``."""
+
+    def wrap(kernel: Callable) -> Callable:
+        n_args = kernel.__code__.co_argcount
+        static = tuple(range(n_args - n_static, n_args))
+
+        @functools.partial(jax.custom_jvp, nondiff_argnums=static)
+        @functools.wraps(kernel)
+        def wrapped(*args):
+            return kernel(*args)
+
+        @wrapped.defjvp
+        def _refuse(*args):
+            del args
+            raise ForwardModeError(
+                f"jax_flash.{fn} has no derivative: it is the forward pass only (inference with a "
+                "key/value cache); for training differentiate jax_flash.attention, whose "
+                "reverse mode (jax.grad, jax.vjp) works"
+            )
+
+        return wrapped
+
+    return wrap

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _device_limits, _ffi, sharding
+from jax_flash import _decode, _device_limits, _ffi, sharding
 from jax_flash._autodiff import not_differentiable
 
 # Head dims the CUDA tensor-core kernels are compiled for (cpp/cuda/kernels.h). Other head dims
@@ -146,7 +146,19 @@ def _fwd_call(target, q, k, v, aux, spec):
     return call(q, k, v, *_extras(aux, q.dtype), **spec.attrs(aux))
 
 
+def _as_decode(q, k, aux, spec) -> tuple[jax.Array, ...] | None:
+    """The decode kernel's operands for a forward that _decode.decode_applies to: every sequence
+    holds all seqlen_k keys of its contiguous cache, with the same band, softcap and sinks."""
+    if not _decode.decode_applies(
+        q.shape[-3], k.shape[-3], varlen=spec.varlen, segments=aux.q_segment_ids is not None
+    ):
+        return None
+    return jnp.full(q.shape[:-3], k.shape[-3], jnp.int32), None, aux.sinks
+
+
 def _fwd_cpu(q, k, v, aux, *, spec):
+    if (decode := _as_decode(q, k, aux, spec)) is not None:
+        return _decode.decode_cpu(q, k, v, *decode, spec=spec)
     return _fwd_call(_ffi.FWD_CPU, q, k, v, aux, spec)
 
 
@@ -160,6 +172,8 @@ def _check_fits(q, aux, *, backward):
 
 
 def _fwd_cuda(q, k, v, aux, *, spec):
+    if (decode := _as_decode(q, k, aux, spec)) is not None:
+        return _decode.decode_cuda(q, k, v, *decode, spec=spec)
     _check_fits(q, aux, backward=False)
     head_dim = q.shape[-1]
     padded = _cuda_head_dim(q.dtype, head_dim)

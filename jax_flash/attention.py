@@ -127,6 +127,10 @@ def attention(
     q, k, v share one dtype: float16, bfloat16, float32 or float64; head_dim is 1..256. A row that
     sees no key gives output 0, lse -inf (the row's sink with sinks) and zero gradients.
 
+    Short query blocks (1 <= seqlen_q <= 16, seqlen_k >= 256, no segment_ids) run the forward on
+    the split-KV decode kernel of :func:`attention_with_kvcache`, which returns the same out and
+    lse; the backward is the same either way.
+
     Returns:
       out [batch, seqlen_q, heads_q, head_dim] in the input dtype, and with ``return_lse`` also
       lse (float32, or float64 for float64 inputs).

@@ -9,6 +9,8 @@
 #include <optional>
 
 #include "cpu/attention_cpu.h"
+#include "cpu/decode_cpu.h"
+#include "ffi/decode_shapes.h"
 #include "ffi/handlers.h"
 #include "ffi/shapes.h"
 #include "xla/ffi/api/ffi.h"
@@ -97,6 +99,18 @@ ffi::Error bwd_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   return ffi::Error::Success();
 }
 
+ffi::Error decode_cpu(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                      ffi::AnyBuffer cache_seqlens, ffi::AnyBuffer block_table,
+                      ffi::AnyBuffer sinks, ffi::Result<ffi::AnyBuffer> o,
+                      ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> partial_o,
+                      ffi::Result<ffi::AnyBuffer> partial_lse, ffi::Dictionary attrs) {
+  auto call = read_decode_call(q, k, v, cache_seqlens, block_table, sinks, *o, *lse, *partial_o,
+                               *partial_lse, attrs);
+  if (call.has_error()) return call.error();
+  cpu::decode_fwd(call->params, call->dtype, make_parallel_for(pool));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jax_flash::ffi_glue
 
@@ -124,4 +138,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBwdCpu, jax_flash::ffi_glue::bwd_cpu,
                                   .Ret<xla::ffi::AnyBuffer>()  // dq    [..., Sq, Hq, D]
                                   .Ret<xla::ffi::AnyBuffer>()  // dk    [..., Sk, Hkv, D]
                                   .Ret<xla::ffi::AnyBuffer>()  // dv    [..., Sk, Hkv, D]
+                                  .Attrs<xla::ffi::Dictionary>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashDecodeCpu, jax_flash::ffi_glue::decode_cpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // q   [..., Sq, Hq, D]
+                                  .Arg<xla::ffi::AnyBuffer>()  // k_cache (ffi/decode_shapes.h)
+                                  .Arg<xla::ffi::AnyBuffer>()  // v_cache, k_cache's shape
+                                  .Arg<xla::ffi::AnyBuffer>()  // cache_seqlens int32 [...]
+                                  .Arg<xla::ffi::AnyBuffer>()  // block_table int32 [..., pages]
+                                  .Arg<xla::ffi::AnyBuffer>()  // sinks [..., Hq] or placeholder
+                                  .Ret<xla::ffi::AnyBuffer>()  // out [..., Sq, Hq, D]
+                                  .Ret<xla::ffi::AnyBuffer>()  // lse [..., Hq, Sq]
+                                  .Ret<xla::ffi::AnyBuffer>()  // partial_o [..., n, Hq, Sq, D]
+                                  .Ret<xla::ffi::AnyBuffer>()  // partial_lse [..., n, Hq, Sq]
                                   .Attrs<xla::ffi::Dictionary>());

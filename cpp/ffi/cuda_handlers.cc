@@ -4,7 +4,9 @@
 
 #include <string>
 
+#include "cuda/decode.h"
 #include "cuda/launch.h"
+#include "ffi/decode_shapes.h"
 #include "ffi/handlers.h"
 #include "ffi/shapes.h"
 #include "xla/ffi/api/ffi.h"
@@ -59,6 +61,19 @@ ffi::Error bwd_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                      "attention backward launch");
 }
 
+// The partials are XLA-owned outputs (placeholders when num_splits == 1), so the launch neither
+// allocates nor synchronises.
+ffi::Error decode_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::AnyBuffer cache_seqlens, ffi::AnyBuffer block_table,
+                       ffi::AnyBuffer sinks, ffi::Result<ffi::AnyBuffer> o,
+                       ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> partial_o,
+                       ffi::Result<ffi::AnyBuffer> partial_lse, ffi::Dictionary attrs) {
+  auto call = read_decode_call(q, k, v, cache_seqlens, block_table, sinks, *o, *lse, *partial_o,
+                               *partial_lse, attrs);
+  if (call.has_error()) return call.error();
+  return cuda_status(cuda::decode_fwd(call->params, call->dtype, stream), "decode launch");
+}
+
 }  // namespace
 }  // namespace jax_flash::ffi_glue
 
@@ -89,5 +104,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBwdCuda, jax_flash::ffi_glue::bwd_cuda,
                                   .Ret<xla::ffi::AnyBuffer>()  // dv       [..., Sk, Hkv, D]
                                   .Ret<xla::ffi::AnyBuffer>()  // dq_accum fp32 scratch
                                   .Ret<xla::ffi::AnyBuffer>()  // dq_semaphores int32 scratch
+                                  .Attrs<xla::ffi::Dictionary>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashDecodeCuda, jax_flash::ffi_glue::decode_cuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // q   [..., Sq, Hq, D]
+                                  .Arg<xla::ffi::AnyBuffer>()  // k_cache (ffi/decode_shapes.h)
+                                  .Arg<xla::ffi::AnyBuffer>()  // v_cache, k_cache's shape
+                                  .Arg<xla::ffi::AnyBuffer>()  // cache_seqlens int32 [...]
+                                  .Arg<xla::ffi::AnyBuffer>()  // block_table int32 [..., pages]
+                                  .Arg<xla::ffi::AnyBuffer>()  // sinks [..., Hq] or placeholder
+                                  .Ret<xla::ffi::AnyBuffer>()  // out [..., Sq, Hq, D]
+                                  .Ret<xla::ffi::AnyBuffer>()  // lse [..., Hq, Sq]
+                                  .Ret<xla::ffi::AnyBuffer>()  // partial_o [..., n, Hq, Sq, D]
+                                  .Ret<xla::ffi::AnyBuffer>()  // partial_lse [..., n, Hq, Sq]
                                   .Attrs<xla::ffi::Dictionary>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -46,9 +46,11 @@ NB_MODULE(_jax_flash, m) {
     nb::dict out;
     out["jax_flash_fwd_cpu"] = nb::make_tuple(capsule(JaxFlashFwdCpu), "cpu");
     out["jax_flash_bwd_cpu"] = nb::make_tuple(capsule(JaxFlashBwdCpu), "cpu");
+    out["jax_flash_decode_cpu"] = nb::make_tuple(capsule(JaxFlashDecodeCpu), "cpu");
 #ifdef JAX_FLASH_WITH_CUDA
     out["jax_flash_fwd_cuda"] = nb::make_tuple(capsule(JaxFlashFwdCuda), "CUDA");
     out["jax_flash_bwd_cuda"] = nb::make_tuple(capsule(JaxFlashBwdCuda), "CUDA");
+    out["jax_flash_decode_cuda"] = nb::make_tuple(capsule(JaxFlashDecodeCuda), "CUDA");
 #endif
     return out;
   });

@@ -96,6 +96,25 @@ def test_batch_and_heads_sharded_gqa(rng, name):
 
 
 @pytest.mark.parametrize("name", PARTITIONERS)
+def test_decode_path_sharded(rng, name):
+    # One and four query tokens over 300 keys run attention's forward on the decode kernel;
+    # custom partitioning wraps it as it wraps the dense forward: no collective, exact.
+    m = mesh((4, 2), ("data", "model"))
+    for seqlen_q in (1, 4):
+        q, k, v = make_qkv(
+            rng, batch=4, seqlen_q=seqlen_q, seqlen_k=300, heads_q=8, heads_kv=2, head_dim=32
+        )
+
+        def attn(q, k, v):
+            return jax_flash.attention(q, k, v, causal=True, window=(100, 0), return_lse=True)
+
+        text = jax.jit(attn).lower(q, k, v).as_text()
+        assert "jax_flash_decode_cpu" in text
+        with partitioner(name):
+            _check(attn, q, k, v, P("data", None, "model", None), mesh_=m)
+
+
+@pytest.mark.parametrize("name", PARTITIONERS)
 def test_segment_ids_window_bfloat16(rng, name):
     m = mesh((2, 4), ("data", "model"))
     q, k, v = make_qkv(
