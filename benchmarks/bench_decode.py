@@ -14,9 +14,12 @@ with 64k keys per sequence and batch 1 with 8k, one and four query tokens per se
   kvcache           jax_flash.attention_with_kvcache over a contiguous cache, every sequence full;
   paged16/paged256  the same cache as pages of 16 or 256 keys, scattered over the page pool in a
                     random order.
-The rate is memory bandwidth: bytes of K and V read plus q read and O written, divided by the median
-time of back-to-back calls (inputs smaller than 256 MB are rotated over several copies so that the
-L2 cache cannot hold them). Ratios: to cuDNN in the same process on the same inputs, paged to
+The rate is memory bandwidth: bytes of K and V read plus q read and O written, divided by the time
+of one call, measured two ways: inside one jitted program of 16 dependent calls (each step's queries
+are the previous step's output, as in a decode loop; the kernel's own rate) and as back-to-back
+separately dispatched calls (which adds the host's per-call dispatch, and is what a Python loop of
+single calls gets). Inputs smaller than 256 MB are rotated over several copies so that the L2 cache
+cannot hold them. Ratios: to cuDNN in the same process on the same inputs, paged to
 contiguous and four tokens to one (times). Each output is checked against the `attention` call.
 Without a GPU the same kinds of cells run small on the CPU and the cuDNN column says why it is
 absent.
@@ -47,6 +50,7 @@ import jax_flash
 
 ROTATE_BYTES = 256 * 2**20
 REPEATS = 5
+STEPS = 16  # dependent calls per program for the in-program rate
 IMPLEMENTATIONS = ("attention", "cudnn", "kvcache", "paged16", "paged256")
 
 
@@ -89,10 +93,17 @@ class Result:
     seconds: float | None = None
     error: str = ""
     check: float | None = None  # relative L2 difference to the `attention` output
+    # Seconds per call inside one program of STEPS dependent calls (no per-call dispatch).
+    step_seconds: float | None = None
 
     @property
     def gbps(self) -> float | None:
         return None if self.seconds is None else self.cell.bytes_moved() / self.seconds / 1e9
+
+    @property
+    def step_gbps(self) -> float | None:
+        s = self.step_seconds
+        return None if s is None else self.cell.bytes_moved() / s / 1e9
 
 
 def make_inputs(cell: Cell, copy: int):
@@ -172,6 +183,23 @@ def time_cycled(compiled, arg_sets) -> float:
     return median(times)
 
 
+def chained(fn: Callable, arg_sets: list[tuple]) -> tuple[Callable, tuple]:
+    """STEPS dependent calls of fn in one program, as a decode loop makes them: each step's
+    queries are the previous step's output (same shape), and step s reads the key/value copy
+    s % len(arg_sets), so the steps cannot share the L2. Returns (program, its arguments)."""
+    sets = arg_sets[:STEPS]
+    width = len(sets[0])
+
+    def program(*flat):
+        groups = [flat[i * width : (i + 1) * width] for i in range(len(sets))]
+        q = groups[0][0]
+        for step in range(STEPS):
+            q = fn(q, *groups[step % len(groups)][1:]).astype(q.dtype)
+        return q
+
+    return program, tuple(x for args in sets for x in args)
+
+
 def measure(cell: Cell, platform: str) -> list[Result]:
     copies = max(1, math.ceil(ROTATE_BYTES / cell.bytes_moved())) if platform == "gpu" else 1
     inputs = [make_inputs(cell, c) for c in range(copies)]
@@ -192,31 +220,38 @@ def measure(cell: Cell, platform: str) -> list[Result]:
             if reference is None:
                 reference = out
             result.check = float(np.linalg.norm(out - reference) / np.linalg.norm(reference))
+            program, flat = chained(fn, arg_sets)
+            result.step_seconds = time_cycled(compile_jit(program, flat), [flat]) / STEPS
         except Exception as exc:  # a refused shape (cuDNN) or no memory: recorded, not fatal
             result.error = short_error(exc)
         # The pages are this variant's own copies; the shared inputs stay for the next one.
         shared = {id(x) for inp in inputs for x in inp}
         release([a for args in arg_sets for a in args[1:3] if id(a) not in shared])
         rate = "-" if result.gbps is None else f"{result.gbps:.1f} GB/s"
-        print(f"{cell.label:>20}  {impl:>9}  {rate:>14}  {result.error}", flush=True)
+        step = "-" if result.step_gbps is None else f"{result.step_gbps:.1f} GB/s"
+        print(f"{cell.label:>20}  {impl:>9}  {rate:>14}  {step:>14}  {result.error}", flush=True)
     for q, k, v in inputs:
         release([q, k, v])
     return results
 
 
-def _rate(r: Result | None) -> str:
+def _rate(r: Result | None, steps: bool = False) -> str:
     if r is None:
         return "-"
     if r.error:
         return r.error.replace("|", "\\|")
-    gbps = r.gbps
+    gbps = r.step_gbps if steps else r.gbps
+    if gbps is None:
+        return "-"
     return f"{gbps:.0f} ({gbps / 1000:.2f})" if gbps >= 100 else f"{gbps:.2f}"
 
 
-def _ratio(a: Result | None, b: Result | None, invert: bool = False) -> str:
-    if a is None or b is None or a.seconds is None or b.seconds is None:
+def _ratio(a: Result | None, b: Result | None, invert: bool = False, steps: bool = False) -> str:
+    ta = None if a is None else (a.step_seconds if steps else a.seconds)
+    tb = None if b is None else (b.step_seconds if steps else b.seconds)
+    if ta is None or tb is None:
         return "-"
-    value = b.seconds / a.seconds if invert else a.seconds / b.seconds
+    value = tb / ta if invert else ta / tb
     return f"{value:.2f}"
 
 
@@ -229,42 +264,54 @@ def report(results: list[Result], env: dict, out: Path, name: str, interrupted: 
         "cuDNN: jax.nn.dot_product_attention(implementation='cudnn'), same process, same inputs",
         "paged: pages of 16 or 256 keys scattered over the page pool in a random order",
         "x cuDNN: jax_flash rate / cuDNN rate; paged/contig and Sq4/Sq1: ratios of times",
+        f"inside one program: {STEPS} dependent calls in one jitted program (each step's queries "
+        "are the previous output; the steps cycle over the key/value copies), time / {STEPS}: "
+        "the rate of a decode loop, without the per-call dispatch of the other table".replace(
+            "{STEPS}", str(STEPS)
+        ),
     ]
     lines = markdown_head("Decode", env, method, interrupted)
     header = ["cell", *IMPLEMENTATIONS, "attention x cuDNN", "kvcache x cuDNN",
               "paged16/contig", "paged256/contig", "max check"]  # fmt: skip
-    rows = []
-    for cell in cell_list:
-        r = {impl: by.get((cell, impl)) for impl in IMPLEMENTATIONS}
-        checks = [x.check for x in r.values() if x is not None and x.check is not None]
-        rows.append([
-            cell.label, *(_rate(r[i]) for i in IMPLEMENTATIONS),
-            _ratio(r["attention"], r["cudnn"], invert=True),
-            _ratio(r["kvcache"], r["cudnn"], invert=True),
-            _ratio(r["paged16"], r["kvcache"]), _ratio(r["paged256"], r["kvcache"]),
-            f"{max(checks):.1e}" if checks else "-",
-        ])  # fmt: skip
-    lines += ["", "## Bandwidth", "", *md_table(header, rows)]
+    for steps, title in (
+        (True, f"Bandwidth inside one program ({STEPS} dependent calls)"),
+        (False, "Bandwidth per call (back-to-back calls, host dispatch included)"),
+    ):
+        rows = []
+        for cell in cell_list:
+            r = {impl: by.get((cell, impl)) for impl in IMPLEMENTATIONS}
+            checks = [x.check for x in r.values() if x is not None and x.check is not None]
+            rows.append([
+                cell.label, *(_rate(r[i], steps) for i in IMPLEMENTATIONS),
+                _ratio(r["attention"], r["cudnn"], invert=True, steps=steps),
+                _ratio(r["kvcache"], r["cudnn"], invert=True, steps=steps),
+                _ratio(r["paged16"], r["kvcache"], steps=steps),
+                _ratio(r["paged256"], r["kvcache"], steps=steps),
+                f"{max(checks):.1e}" if checks else "-",
+            ])  # fmt: skip
+        lines += ["", f"## {title}", "", *md_table(header, rows)]
     four = [c for c in cell_list if c.seqlen_q == 4]
     if four:
         rows = []
         for cell in four:
             one = dataclasses.replace(cell, seqlen_q=1)
             rows.append([cell.label.replace(" Sq=4", ""), *(
-                _ratio(by.get((cell, i)), by.get((one, i))) for i in IMPLEMENTATIONS
+                _ratio(by.get((cell, i)), by.get((one, i)), steps=True) for i in IMPLEMENTATIONS
             )])  # fmt: skip
         table = md_table(["cell", *IMPLEMENTATIONS], rows)
-        lines += ["", "## Time of four query tokens / one", "", *table]
+        lines += ["", "## Time of four query tokens / one (inside one program)", "", *table]
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     with open(out / f"{name}.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["batch", "seqlen_k", "seqlen_q", "heads_q", "heads_kv", "head_dim",
-                         "dtype", "impl", "seconds", "gb_per_s", "check", "error"])  # fmt: skip
+                         "dtype", "impl", "seconds", "gb_per_s", "step_seconds", "step_gb_per_s",
+                         "check", "error"])  # fmt: skip
         for r in results:
             c = r.cell
             writer.writerow([c.batch, c.seqlen_k, c.seqlen_q, c.heads_q, c.heads_kv, c.head_dim,
-                             c.dtype, r.impl, r.seconds, r.gbps, r.check, r.error])  # fmt: skip
+                             c.dtype, r.impl, r.seconds, r.gbps, r.step_seconds, r.step_gbps,
+                             r.check, r.error])  # fmt: skip
     print(f"wrote {out / (name + '.md')} and {out / (name + '.csv')}")
 
 

@@ -238,8 +238,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
         row = b * p.cache_len + j;
       }
       const int64_t off = valid ? row * kv_row_stride : 0;
-      tc::cp_async_16(k_dst + x * Tr::kRowsPerPass * kPitch, k_base + off, valid);
-      tc::cp_async_16(v_dst + x * Tr::kRowsPerPass * kPitch, v_base + off, valid);
+      tc::cp_async_16_stream(k_dst + x * Tr::kRowsPerPass * kPitch, k_base + off, valid);
+      tc::cp_async_16_stream(v_dst + x * Tr::kRowsPerPass * kPitch, v_base + off, valid);
     }
     if (tile + 1 < t_end) fetch_pages(tile + 1);
   };

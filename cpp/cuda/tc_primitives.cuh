@@ -21,6 +21,15 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem_dst)),
                "l"(gmem_src), "r"(src_bytes));
 }
+// The same for a stream read once in whole rows of 256 bytes or more (the decode pass's K and V):
+// each L2 miss fetches the 256-byte span around it, so a row comes from DRAM in one piece.
+__device__ __forceinline__ void cp_async_16_stream(void* smem_dst, const void* gmem_src,
+                                                   bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile(
+      "cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem_dst)),
+      "l"(gmem_src), "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Waits until at most N committed groups are still in flight.
 template <int N>
