@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash import _checks, _decode
+from jax_flash import _checks, _decode, sharding
 from jax_flash._autodiff import forward_only
 from jax_flash._kernel import Spec, stats_dtype
 from jax_flash.attention import _require_kernels, _spec
@@ -20,10 +20,14 @@ _LAYOUT = (
 )
 
 
+# Under jit the call partitions over batch and heads (sharding.py), like attention's.
+_decode_sharded = sharding.partitioned_decode(_decode.decode_local)
+
+
 @forward_only(_NAME, n_static=2)
 def _forward(q, k_cache, v_cache, cache_seqlens, block_table, sinks, spec, num_splits):
-    return _decode.decode_local(q, k_cache, v_cache, cache_seqlens, block_table, sinks, spec,
-                                num_splits)  # fmt: skip
+    return _decode_sharded(q, k_cache, v_cache, cache_seqlens, block_table, sinks, spec,
+                           num_splits)  # fmt: skip
 
 
 def _check_block_table(block_table: Any, batch: int) -> jax.Array | None:

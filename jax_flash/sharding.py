@@ -69,6 +69,10 @@ class _Call:
     def packed(self) -> bool:
         return self.lead == 0
 
+    @property
+    def name(self) -> str:
+        return "attention_varlen" if self.packed else "attention"
+
     def roles(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         operands, results = _ROLES[self.kind]
         aux = []
@@ -93,6 +97,11 @@ def _rule(call: _Call) -> str:
         "sinks": f"{lead} hq",
         "sinks_packed": "u hq",
         "cu": "n",
+        # The decode call: cache lengths and block table per sequence, a page pool that no
+        # batch axis divides.
+        "lens": f"{lead}",
+        "table": f"{lead} nb",
+        "pages": "np bs h d",
     }
     operands, results = call.roles()
     rule = ", ".join(dims[r].strip() for r in operands) + " -> "
@@ -113,7 +122,7 @@ def _describe(entry) -> str:
 def _layout(call: _Call, mesh, q_sharding, *, warn: bool):
     """(leading axes' specs, heads' spec) of the kernel's blocks, from q's sharding. What the
     kernel cannot split is replicated, with a warning when ``warn``."""
-    name = "attention_varlen" if call.packed else "attention"
+    name = call.name
     rank = call.lead + 3
     if isinstance(q_sharding, NamedSharding):
         spec = tuple(q_sharding.spec)
@@ -166,6 +175,9 @@ def _role_spec(role: str, lead: tuple, heads) -> PartitionSpec:
         "sinks": (*lead, heads),
         "sinks_packed": (None, heads),
         "cu": (None,),
+        "lens": (*lead,),
+        "table": (*lead, None),
+        "pages": (None, None, heads, None),
     }
     return PartitionSpec(*specs[role])
 
@@ -283,5 +295,109 @@ def partitioned(kind: str, local: Callable) -> Callable:
         )
         operands = (*arrays, *(getattr(aux, f) for f in fields))
         return vary_like(_op(desc, type(aux))(*operands), operands)
+
+    return call
+
+
+# ----------------------------------------------------------------------------------------------
+# The decode call (attention_with_kvcache): the same batch and head partitioning. A paged cache's
+# page pool is shared by the whole batch, so it is split over the heads only (each device of a
+# batch shard holds the whole pool of its heads); a contiguous cache is split like k.
+
+
+@dataclasses.dataclass(frozen=True)
+class _DecodeCall:
+    spec: object  # _kernel.Spec
+    num_splits: int | None  # None: chosen from each device's block of the call
+    lead: int
+    heads_kv: int
+    paged: bool
+    has_sinks: bool
+
+    packed = False
+    name = "attention_with_kvcache"
+
+    def roles(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        cache = "pages" if self.paged else "kv"
+        operands = ("q", cache, cache, "lens")
+        operands += ("table",) if self.paged else ()
+        operands += ("sinks",) if self.has_sinks else ()
+        return operands, ("q", "lse")
+
+
+_DECODE_LOCAL: list[Callable] = []
+
+
+def _decode_local_call(call: _DecodeCall, *operands):
+    q, k, v, lens, *rest = operands
+    table = rest.pop(0) if call.paged else None
+    sinks = rest.pop(0) if call.has_sinks else None
+    return _DECODE_LOCAL[0](q, k, v, lens, table, sinks, call.spec, call.num_splits)
+
+
+@functools.cache
+def _decode_op(call: _DecodeCall) -> Callable:
+    """The partitioned decode call for one static description, with a vmap rule."""
+
+    def partition(mesh, arg_shapes, result_shape):
+        arg_shardings, result_shardings = _shardings(call, mesh, arg_shapes, warn=True)
+        return mesh, functools.partial(_decode_local_call, call), result_shardings, arg_shardings
+
+    def infer(mesh, arg_shapes, result_shape):
+        return _shardings(call, mesh, arg_shapes, warn=False)[1]
+
+    partitioned = custom_partitioning(functools.partial(_decode_local_call, call))
+    try:
+        partitioned.def_partition(
+            partition, infer_sharding_from_operands=infer, sharding_rule=_rule(call)
+        )
+    except TypeError:
+        partitioned.def_partition(partition, sharding_rule=_rule(call))
+
+    @jax.custom_batching.custom_vmap
+    def op(*operands):
+        return tuple(partitioned(*operands))
+
+    @op.def_vmap
+    def rule_vmap(axis_size, in_batched, *operands):
+        if call.paged:
+            # The page pool has no batch axis to fold a new one into: one call per element.
+            def one(mapped):
+                it = iter(mapped)
+                pairs = zip(operands, in_batched, strict=True)
+                return op(*(next(it) if b else x for x, b in pairs))
+
+            mapped = tuple(x for x, b in zip(operands, in_batched, strict=True) if b)
+            outs = jax.lax.map(one, mapped)
+        else:
+            full = tuple(
+                x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
+                for x, b in zip(operands, in_batched, strict=True)
+            )
+            outs = _decode_op(dataclasses.replace(call, lead=call.lead + 1))(*full)
+        return outs, tuple(True for _ in outs)
+
+    return op
+
+
+def partitioned_decode(local: Callable) -> Callable:
+    """``local(q, k, v, cache_seqlens, block_table, sinks, spec, num_splits)`` (the per-platform
+    decode call; block_table and sinks may be None) as a call that partitions over batch and
+    heads under jit."""
+    _DECODE_LOCAL[:] = [local]
+
+    def call(q, k, v, cache_seqlens, block_table, sinks, spec, num_splits):
+        desc = _DecodeCall(
+            spec=spec,
+            num_splits=num_splits,
+            lead=q.ndim - 3,
+            heads_kv=k.shape[-2],
+            paged=block_table is not None,
+            has_sinks=sinks is not None,
+        )
+        operands = (q, k, v, cache_seqlens)
+        operands += (block_table,) if block_table is not None else ()
+        operands += (sinks,) if sinks is not None else ()
+        return vary_like(_decode_op(desc)(*operands), operands)
 
     return call

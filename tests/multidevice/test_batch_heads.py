@@ -115,6 +115,58 @@ def test_decode_path_sharded(rng, name):
 
 
 @pytest.mark.parametrize("name", PARTITIONERS)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_sharded(rng, name, paged):
+    """attention_with_kvcache with q, the cache lengths (and block table) sharded over the batch
+    and q and the cache over the heads: no collective, the outputs keep that sharding, and they
+    equal the unsharded call bit for bit. A paged pool is split over the heads only (every batch
+    shard holds the whole pool of its heads)."""
+    m = mesh((4, 2), ("data", "model"))
+    batch, capacity, block = 4, 96, 16
+    q = normal(rng, (batch, 2, 8, 16), jnp.float32)
+    k, v = (normal(rng, (batch, capacity, 2, 16), jnp.float32) for _ in range(2))
+    lens = jnp.asarray([0, 1, 57, 96], jnp.int32)
+    sinks = normal(rng, (8,), jnp.float32)
+    table = None
+    if paged:
+        blocks = capacity // block
+        order = np.random.default_rng(1).permutation(batch * blocks).astype(np.int32)
+        table = jnp.asarray(order.reshape(batch, blocks))
+        pages = np.empty((batch * blocks, block, 2, 16), np.float32)
+        flat = np.asarray(k).reshape(batch * blocks, block, 2, 16)
+        pages[order.reshape(-1)] = flat
+        k_pages = jnp.asarray(pages)
+        pages[order.reshape(-1)] = np.asarray(v).reshape(batch * blocks, block, 2, 16)
+        k, v = k_pages, jnp.asarray(pages)
+
+    def call(q, k, v, lens, table):
+        return jax_flash.attention_with_kvcache(
+            q, k, v, lens, block_table=table, window=(40, None), sinks=sinks, return_lse=True
+        )
+
+    out_ref, lse_ref = jax.jit(call)(q, k, v, lens, table)
+
+    def put(x, spec):
+        return None if x is None else jax.device_put(x, NamedSharding(m, spec))
+
+    cache_spec = P(None, None, "model", None) if paged else P("data", None, "model", None)
+    args = (
+        put(q, P("data", None, "model", None)),
+        put(k, cache_spec),
+        put(v, cache_spec),
+        put(lens, P("data")),
+        put(table, P("data", None)),
+    )
+    with partitioner(name):
+        assert not collectives(call, *args), collectives(call, *args)
+        out, lse = jax.jit(call)(*args)
+    assert out.sharding.is_equivalent_to(NamedSharding(m, P("data", None, "model", None)), 4)
+    assert lse.sharding.is_equivalent_to(NamedSharding(m, P("data", "model", None)), 3)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out_ref))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_ref))
+
+
+@pytest.mark.parametrize("name", PARTITIONERS)
 def test_segment_ids_window_bfloat16(rng, name):
     m = mesh((2, 4), ("data", "model"))
     q, k, v = make_qkv(
