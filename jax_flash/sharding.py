@@ -204,20 +204,23 @@ def _local_call(call: _Call, aux_type, *operands):
     return _LOCAL[call.kind](*arrays, aux, call.spec)
 
 
-@functools.cache
-def _op(call: _Call, aux_type) -> Callable:
-    """The partitioned kernel call for one static description, with a vmap rule (the
-    partitioning primitive has none): added leading axes are more batch axes."""
+def _partitioned_op(
+    call, local: Callable, one_call_per_element: bool, with_lead: Callable[[int], Callable]
+) -> Callable:
+    """``local`` (a kernel call on whatever block of its operands a device holds) as a
+    custom_partitioning op with the rule and shardings of ``call``, and a vmap rule (the
+    partitioning primitive has none): an added leading axis is one more batch axis
+    (``with_lead(lead)`` builds the op for that many), or, where the call has no batch axis to
+    fold it into (``one_call_per_element``), one call per element."""
 
     def partition(mesh, arg_shapes, result_shape):
         arg_shardings, result_shardings = _shardings(call, mesh, arg_shapes, warn=True)
-        lower = functools.partial(_local_call, call, aux_type)
-        return mesh, lower, result_shardings, arg_shardings
+        return mesh, local, result_shardings, arg_shardings
 
     def infer(mesh, arg_shapes, result_shape):
         return _shardings(call, mesh, arg_shapes, warn=False)[1]
 
-    partitioned = custom_partitioning(functools.partial(_local_call, call, aux_type))
+    partitioned = custom_partitioning(local)
     try:
         partitioned.def_partition(
             partition, infer_sharding_from_operands=infer, sharding_rule=_rule(call)
@@ -232,8 +235,8 @@ def _op(call: _Call, aux_type) -> Callable:
 
     @op.def_vmap
     def rule_vmap(axis_size, in_batched, *operands):
-        if call.packed:
-            # A packed call has no batch axis to fold the new one into: one call per element.
+        if one_call_per_element:
+
             def one(mapped):
                 it = iter(mapped)
                 pairs = zip(operands, in_batched, strict=True)
@@ -248,10 +251,22 @@ def _op(call: _Call, aux_type) -> Callable:
                 x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
                 for x, b in zip(operands, in_batched, strict=True)
             )
-            outs = _op(dataclasses.replace(call, lead=call.lead + 1), aux_type)(*full)
+            outs = with_lead(call.lead + 1)(*full)
         return outs, tuple(True for _ in outs)
 
     return op
+
+
+@functools.cache
+def _op(call: _Call, aux_type) -> Callable:
+    """The partitioned kernel call for one static description. A packed call has no batch axis:
+    a vmapped one runs per element."""
+    return _partitioned_op(
+        call,
+        functools.partial(_local_call, call, aux_type),
+        call.packed,
+        lambda lead: _op(dataclasses.replace(call, lead=lead), aux_type),
+    )
 
 
 def _varying_axes(x) -> frozenset:
@@ -337,47 +352,14 @@ def _decode_local_call(call: _DecodeCall, *operands):
 
 @functools.cache
 def _decode_op(call: _DecodeCall) -> Callable:
-    """The partitioned decode call for one static description, with a vmap rule."""
-
-    def partition(mesh, arg_shapes, result_shape):
-        arg_shardings, result_shardings = _shardings(call, mesh, arg_shapes, warn=True)
-        return mesh, functools.partial(_decode_local_call, call), result_shardings, arg_shardings
-
-    def infer(mesh, arg_shapes, result_shape):
-        return _shardings(call, mesh, arg_shapes, warn=False)[1]
-
-    partitioned = custom_partitioning(functools.partial(_decode_local_call, call))
-    try:
-        partitioned.def_partition(
-            partition, infer_sharding_from_operands=infer, sharding_rule=_rule(call)
-        )
-    except TypeError:
-        partitioned.def_partition(partition, sharding_rule=_rule(call))
-
-    @jax.custom_batching.custom_vmap
-    def op(*operands):
-        return tuple(partitioned(*operands))
-
-    @op.def_vmap
-    def rule_vmap(axis_size, in_batched, *operands):
-        if call.paged:
-            # The page pool has no batch axis to fold a new one into: one call per element.
-            def one(mapped):
-                it = iter(mapped)
-                pairs = zip(operands, in_batched, strict=True)
-                return op(*(next(it) if b else x for x, b in pairs))
-
-            mapped = tuple(x for x, b in zip(operands, in_batched, strict=True) if b)
-            outs = jax.lax.map(one, mapped)
-        else:
-            full = tuple(
-                x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
-                for x, b in zip(operands, in_batched, strict=True)
-            )
-            outs = _decode_op(dataclasses.replace(call, lead=call.lead + 1))(*full)
-        return outs, tuple(True for _ in outs)
-
-    return op
+    """The partitioned decode call for one static description. The page pool has no batch axis
+    to fold a new one into: a vmapped paged call runs per element."""
+    return _partitioned_op(
+        call,
+        functools.partial(_decode_local_call, call),
+        call.paged,
+        lambda lead: _decode_op(dataclasses.replace(call, lead=lead)),
+    )
 
 
 def partitioned_decode(local: Callable) -> Callable:
