@@ -62,6 +62,7 @@ def attention_fn(
     softmax_scale: float | None = None,
     segment_ids: jax.Array | Sequence[jax.Array] | None = None,
     sinks: jax.Array | None = None,
+    deterministic_backward: bool = False,
 ) -> jax.Array:
     """Flax's attention-function signature, computed by the jax_flash kernels.
 
@@ -93,6 +94,9 @@ def attention_fn(
       window: ``(left, right)``, query i sees key j only if ``i - left <= j <= i + right``.
       softcap, softmax_scale, segment_ids, sinks: as in :func:`jax_flash.attention`
         (``segment_ids`` and ``sinks`` shaped for one batch axis, the flattened batch).
+      deterministic_backward: :func:`jax_flash.attention`'s ``deterministic`` (bitwise
+        reproducible gradients on the GPU), under another name because Flax's
+        ``deterministic`` means "no dropout".
 
     Rows that see no key (only possible through ``window`` or ``segment_ids``) give output 0.
     Differentiable in reverse mode under ``jit`` and ``vmap``.
@@ -144,6 +148,6 @@ def attention_fn(
     out = dense_attention(
         NAME, flat(query), flat(key), flat(value), causal=is_causal,
         softmax_scale=softmax_scale, window=window, softcap=softcap, segment_ids=segment_ids,
-        sinks=sinks, return_lse=False, bottom_right=False,
+        sinks=sinks, return_lse=False, bottom_right=False, deterministic=deterministic_backward,
     )  # fmt: skip
     return out.reshape(*batch_shape, *out.shape[1:])

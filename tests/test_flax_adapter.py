@@ -156,3 +156,18 @@ def test_adapter_arguments(rng):
         jf_flax.attention_fn(q, k, k, dropout_rate=0.5, deterministic=True),
         jf_flax.attention_fn(q, k, k),
     )
+
+
+def test_deterministic_backward_reaches_the_kernels(rng):
+    # Flax's own `deterministic` is about dropout; the kernels' option has its own name. On the CPU
+    # the backward is deterministic either way, so the gradients are equal; a wrong type raises
+    # with the kernel option's name, which shows that it reached the kernel call.
+    q = normal(rng, (2, 9, 4, 8), jnp.float32)
+
+    def loss(q, flag):
+        return jnp.sum(jf_flax.attention_fn(q, q, q, is_causal=True, deterministic_backward=flag))
+
+    g0, g1 = jax.grad(loss)(q, False), jax.grad(loss)(q, True)
+    np.testing.assert_allclose(np.asarray(g1), np.asarray(g0), rtol=1e-6, atol=1e-7)
+    with pytest.raises(TypeError, match="deterministic must be a Python bool"):
+        jf_flax.attention_fn(q, q, q, deterministic_backward="yes")
