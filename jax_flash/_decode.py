@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_flash import _ffi
+from jax_flash._dtypes import is_half, pad_head_dim, stats_dtype
 
 # attention() sends a forward to the decode kernel when every query block is this short ...
 DECODE_MAX_SEQLEN_Q = 16
@@ -25,8 +26,6 @@ MAX_SPLITS = 64
 CUDA_KEYS_PER_SPLIT = 256
 CPU_KEYS_PER_SPLIT = 512
 DEFAULT_SM_COUNT = 132  # an H100/H200, when no GPU can be asked
-
-_HALF_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
 def decode_applies(seqlen_q: int, seqlen_k: int, *, varlen: bool, segments: bool) -> bool:
@@ -102,15 +101,11 @@ def cpu_threads() -> int:
         return os.cpu_count() or 1
 
 
-def _stats_dtype(dtype) -> jnp.dtype:
-    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
-
-
 def _call(target, q, k, v, cache_seqlens, block_table, sinks, spec, num_splits):
     """out [..., Sq, Hq, D] and lse [..., Hq, Sq] of one decode kernel call. spec is a
     _kernel.Spec (softmax_scale, window, band, softcap); block_table None for a contiguous cache,
     sinks None or [..., Hq] in the stats dtype."""
-    stats = _stats_dtype(q.dtype)
+    stats = stats_dtype(q.dtype)
     lead, (seqlen_q, heads_q, head_dim) = q.shape[:-3], q.shape[-3:]
     paged = block_table is not None
     if num_splits > 1:
@@ -164,7 +159,7 @@ def _splits(q, k, block_table, platform: str, workers: int) -> int:
     return choose_num_splits(
         _batch(q), k.shape[-2], _max_keys(k, block_table), platform=platform, workers=workers,
         rows=q.shape[-2] // k.shape[-2] * q.shape[-3], head_dim=q.shape[-1],
-        half=jnp.dtype(q.dtype) in _HALF_DTYPES,
+        half=is_half(q.dtype),
     )  # fmt: skip
 
 
@@ -178,12 +173,9 @@ def decode_cuda(q, k, v, cache_seqlens, block_table, sinks, *, spec, num_splits=
     head_dim = q.shape[-1]
     if num_splits is None:
         num_splits = _splits(q, k, block_table, "cuda", cuda_sm_count())
-    # The CUDA decode kernel takes half-precision head dims in multiples of 8; zero columns change
-    # neither q.k nor the kept columns of O.
-    if jnp.dtype(q.dtype) in _HALF_DTYPES and head_dim % 8:
-        extra = [(0, 0)] * (q.ndim - 1) + [(0, -head_dim % 8)]
-        q = jnp.pad(q, extra)
-        k, v = (jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -head_dim % 8)]) for x in (k, v))
+    # The CUDA decode kernel takes half-precision head dims in multiples of 8.
+    if is_half(q.dtype):
+        q, k, v = (pad_head_dim(x, head_dim + -head_dim % 8) for x in (q, k, v))
     out, lse = _call(_ffi.DECODE_CUDA, q, k, v, cache_seqlens, block_table, sinks, spec, num_splits)
     return out[..., :head_dim], lse
 

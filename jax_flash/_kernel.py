@@ -13,6 +13,7 @@ import numpy as np
 
 from jax_flash import _decode, _device_limits, _ffi, sharding
 from jax_flash._autodiff import not_differentiable
+from jax_flash._dtypes import is_half, pad_head_dim, stats_dtype
 
 # Head dims the CUDA tensor-core kernels are compiled for (cpp/cuda/kernels.h). Other head dims
 # are zero-padded up to the next one: zero columns change neither Q K^T nor the kept columns of O.
@@ -22,13 +23,6 @@ CUDA_TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
 # (kSegmentChunk in cpp/common/mask.h).
 SEGMENT_CHUNK = 16
 
-_HALF_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-
-
-def stats_dtype(dtype: jnp.dtype) -> jnp.dtype:
-    """dtype of lse, delta and sinks: float64 for float64 inputs, float32 otherwise."""
-    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
-
 
 def _lse_shape(q: jax.Array) -> tuple[int, ...]:
     # [..., Sq, Hq, D] -> [..., Hq, Sq]; leading axes include any that vmap added. A packed
@@ -37,16 +31,9 @@ def _lse_shape(q: jax.Array) -> tuple[int, ...]:
 
 
 def _cuda_head_dim(dtype: jnp.dtype, head_dim: int) -> int:
-    if jnp.dtype(dtype) not in _HALF_DTYPES:
+    if not is_half(dtype):
         return head_dim
     return next(d for d in CUDA_TENSOR_CORE_HEAD_DIMS if d >= head_dim)
-
-
-def _pad_head_dim(x: jax.Array, head_dim: int) -> jax.Array:
-    extra = head_dim - x.shape[-1]
-    if extra == 0:
-        return x
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +150,7 @@ def _fwd_cpu(q, k, v, aux, *, spec):
 
 
 def _check_fits(q, aux, *, backward):
-    if jnp.dtype(q.dtype) in _HALF_DTYPES:
+    if is_half(q.dtype):
         _device_limits.check_half_kernel_fits(
             backward=backward,
             head_dim=_cuda_head_dim(q.dtype, q.shape[-1]),
@@ -177,7 +164,7 @@ def _fwd_cuda(q, k, v, aux, *, spec):
     _check_fits(q, aux, backward=False)
     head_dim = q.shape[-1]
     padded = _cuda_head_dim(q.dtype, head_dim)
-    q, k, v = (_pad_head_dim(x, padded) for x in (q, k, v))
+    q, k, v = (pad_head_dim(x, padded) for x in (q, k, v))
     out, lse = _fwd_call(_ffi.FWD_CUDA, q, k, v, aux, spec)
     return out[..., :head_dim], lse
 
@@ -196,10 +183,10 @@ def _bwd_cuda(q, k, v, dout, lse, delta, aux, *, spec):
     _check_fits(q, aux, backward=True)
     head_dim = q.shape[-1]
     padded = _cuda_head_dim(q.dtype, head_dim)
-    q, k, v, dout = (_pad_head_dim(x, padded) for x in (q, k, v, dout))
+    q, k, v, dout = (pad_head_dim(x, padded) for x in (q, k, v, dout))
     # The tensor-core backward accumulates dQ in fp32 with atomics; XLA owns that scratch so the
     # handler never allocates. The scalar path needs none and gets a placeholder.
-    half = jnp.dtype(q.dtype) in _HALF_DTYPES
+    half = is_half(q.dtype)
     scratch_shape = q.shape if half else (1,)
     # The deterministic order's counters: two per dQ row and head (the scalar path needs none).
     semaphore_shape = (*q.shape[:-1], 2) if half and spec.deterministic else (1,)
