@@ -23,17 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _env  # noqa: E402
 import _timing  # noqa: E402
+from _report import Cell  # noqa: E402
 
 import jax_flash  # noqa: E402
 
 HIDDEN = 2048
 TOKENS = 16384
-
-
-def _flops(batch, seqlen, heads, head_dim, causal) -> float:
-    # Forward 4 B S^2 H D (two GEMMs), backward 2.5x that; causal does half the pairs.
-    pairs = seqlen * seqlen * (0.5 if causal else 1.0)
-    return 3.5 * 4 * batch * heads * head_dim * pairs
 
 
 def _cell(head_dim, seqlen, causal, repeats):
@@ -44,6 +39,8 @@ def _cell(head_dim, seqlen, causal, repeats):
     shape = (batch, seqlen, heads, head_dim)
     q, k, v, dout = (jax.random.normal(x, shape, jnp.bfloat16) for x in (kq, kk, kv, kd))
     row = {"head_dim": head_dim, "seqlen": seqlen, "causal": causal}
+    # The grid's FLOP convention (forward+backward = 3.5 x forward, halved when causal).
+    flops = Cell("bf16", head_dim, seqlen, causal, True, batch, heads).flops()
     grads = {}
     for deterministic in (False, True):
         fn = _timing.forward_backward(
@@ -54,7 +51,7 @@ def _cell(head_dim, seqlen, causal, repeats):
         seconds = _timing.median(per_call)
         name = "deterministic" if deterministic else "default"
         row[f"{name}_ms"] = seconds * 1e3
-        row[f"{name}_tflops"] = _flops(batch, seqlen, heads, head_dim, causal) / seconds / 1e12
+        row[f"{name}_tflops"] = flops / seconds / 1e12
         first = [np.asarray(g) for g in compiled(q, k, v, dout)[1:]]
         second = [np.asarray(g) for g in compiled(q, k, v, dout)[1:]]
         row[f"{name}_repeatable"] = all(

@@ -192,7 +192,9 @@ def _shardings(call: _Call, mesh, arg_shapes, *, warn: bool):
     return named(operands), named(results)
 
 
-# The kernel calls by kind, as _kernel.py registers them: fn(*arrays, aux, spec).
+# The kernel calls by kind, as _kernel.py and kvcache.py register them: "forward" and "backward"
+# take (*arrays, aux, spec), "decode" (q, k, v, cache_seqlens, block_table, sinks, spec,
+# num_splits).
 _LOCAL: dict[str, Callable] = {}
 
 
@@ -340,14 +342,11 @@ class _DecodeCall:
         return operands, ("q", "lse")
 
 
-_DECODE_LOCAL: list[Callable] = []
-
-
 def _decode_local_call(call: _DecodeCall, *operands):
     q, k, v, lens, *rest = operands
     table = rest.pop(0) if call.paged else None
     sinks = rest.pop(0) if call.has_sinks else None
-    return _DECODE_LOCAL[0](q, k, v, lens, table, sinks, call.spec, call.num_splits)
+    return _LOCAL["decode"](q, k, v, lens, table, sinks, call.spec, call.num_splits)
 
 
 @functools.cache
@@ -366,7 +365,7 @@ def partitioned_decode(local: Callable) -> Callable:
     """``local(q, k, v, cache_seqlens, block_table, sinks, spec, num_splits)`` (the per-platform
     decode call; block_table and sinks may be None) as a call that partitions over batch and
     heads under jit."""
-    _DECODE_LOCAL[:] = [local]
+    _LOCAL["decode"] = local
 
     def call(q, k, v, cache_seqlens, block_table, sinks, spec, num_splits):
         desc = _DecodeCall(
