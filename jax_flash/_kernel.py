@@ -53,9 +53,11 @@ class Spec:
     # Backward on CUDA: dQ tiles add their key tiles' contributions in a fixed order.
     deterministic: bool = False
 
-    def attrs(self, aux: Aux) -> dict:
-        # Attribute types must match the C++ side exactly: Python float -> double, int -> int64,
-        # numpy bool -> bool.
+    # Attribute types must match the C++ side exactly: Python float -> double, int -> int64,
+    # numpy bool -> bool.
+    def score_attrs(self) -> dict:
+        """The attributes of the scores and the band, which the attention and the decode calls
+        share."""
         return {
             "softmax_scale": float(self.softmax_scale),
             "window_left": int(self.window_left),
@@ -63,6 +65,11 @@ class Spec:
             "band_shift": int(self.band_shift),
             "band_bottom_right": np.bool_(self.band_bottom_right),
             "softcap": float(self.softcap),
+        }
+
+    def attrs(self, aux: Aux) -> dict:
+        return {
+            **self.score_attrs(),
             "has_segments": np.bool_(aux.q_segment_ids is not None),
             "has_sinks": np.bool_(aux.sinks is not None),
             "varlen": np.bool_(self.varlen),
