@@ -72,15 +72,16 @@ bool params_supported(const BwdParams& p, DType dtype) {
 }
 
 // Dense calls get 4-D maps over [batch, seqlen, heads, D], whose rows past a sequence read as
-// zeros; packed calls [rows, heads, D] views (batch 1), whose rows past a sequence are the
-// neighbour's and are zeroed by the kernel.
+// zeros (and are not written); packed calls [rows, heads, D] views (batch 1), whose rows past a
+// sequence are the neighbour's and are zeroed by the kernel (read) or never reduced into (dQ).
 bool encode(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, const SeqLayout& l,
-            bool keys, int64_t heads, int64_t head_dim, int box_rows) {
+            bool keys, int64_t heads, int64_t head_dim, int box_rows, int elem_bytes = 2) {
   if (l.varlen()) {
-    return encode_bshd(map, type, ptr, 1, keys ? l.total_k : l.total_q, heads, head_dim, box_rows);
+    return encode_bshd(map, type, ptr, 1, keys ? l.total_k : l.total_q, heads, head_dim, box_rows,
+                       elem_bytes);
   }
   return encode_bshd(map, type, ptr, l.batch, keys ? l.seqlen_k : l.seqlen_q, heads, head_dim,
-                     box_rows);
+                     box_rows, elem_bytes);
 }
 
 // Zeroes dq_accum, runs the main kernel and converts dQ, all on `stream`.
@@ -104,12 +105,15 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
   // write zero dK and dV; its Q / dO maps go unread (and are left blank: their pointers may be
   // null).
   if (grid > 0 && l.rows_k() > 0) {
-    CUtensorMap tm_q, tm_k, tm_v, tm_do;
+    CUtensorMap tm_q, tm_k, tm_v, tm_do, tm_dq;
     std::memset(&tm_q, 0, sizeof(tm_q));
     std::memset(&tm_do, 0, sizeof(tm_do));
+    std::memset(&tm_dq, 0, sizeof(tm_dq));
     if (l.rows_q() > 0 &&
         (!encode(&tm_q, type, p.q, l, false, p.heads_q, Tr::kD, Tr::kBlockM) ||
-         !encode(&tm_do, type, p.dout, l, false, p.heads_q, Tr::kD, Tr::kBlockM))) {
+         !encode(&tm_do, type, p.dout, l, false, p.heads_q, Tr::kD, Tr::kBlockM) ||
+         !encode(&tm_dq, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.dq_accum, l, false, p.heads_q, Tr::kD,
+                 Tr::kBlockM, 4))) {
       return cudaErrorInvalidValue;
     }
     if (!encode(&tm_k, type, p.k, l, true, p.heads_kv, Tr::kD, Tr::kBlockN) ||
@@ -141,8 +145,8 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
     const auto kernel = sm90::bwd_wgmma_kernel<Tr>;
     cudaError_t err = configure_kernel_once<sm90::bwd_wgmma_kernel<Tr>>(Tr::kSmemBytes);
     if (err != cudaSuccess) return err;
-    kernel<<<static_cast<unsigned>(grid), Tr::kThreads, Tr::kSmemBytes, stream>>>(args, tm_q, tm_k,
-                                                                                  tm_v, tm_do);
+    kernel<<<static_cast<unsigned>(grid), Tr::kThreads, Tr::kSmemBytes, stream>>>(
+        args, tm_q, tm_k, tm_v, tm_do, tm_dq);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }

@@ -10,9 +10,12 @@
 //     factor 1 - t^2 of the tanh's derivative)
 //   dV += P^T dO, dK += dS^T Q                      (wgmma, P^T / dS^T as the register operand)
 //   dQ_i += dS K                                    (wgmma, dS^T staged in shared memory)
-// and reduce dQ_i into the fp32 dq_accum with vector atomics. Head_dim 128 and 64; every step of
-// one query tile runs in order inside a warpgroup (no intra-warpgroup overlap of the elementwise
-// work with the GEMMs yet), so the two warpgroups overlap each other only loosely. Working on the
+// and add dQ_i into the fp32 dq_accum: staged in shared memory and added by TMA reductions (one
+// bulk operation per 32 columns instead of a vector atomic per thread and row), or, for the
+// deterministic order and a packed sequence's last tile, with vector atomics from registers.
+// Head_dim 128 and 64. Inside a warpgroup the GEMMs of one query tile are ordered so that each
+// runs under elementwise work: dV under dS = P (dP - delta) and the dS^T stores, dK under the
+// dQ_i staging (dQ_i is computed before dK for that reason). Working on the
 // transposed products keeps the key axis on the accumulator rows, so dK and dV stay in registers
 // across the whole loop and P^T, dS^T are already in the register-operand layout of the dV/dK
 // GEMMs.
@@ -98,9 +101,14 @@ struct BwdWgmmaTraits {
   static constexpr int kQStageBytes = kQPanelBytes * kPanels;
   // dS^T of one query tile: kBlockN key rows of kBlockM queries (one 128-byte panel).
   static constexpr int kDsBytes = kBlockN * kRowBytes;
+  // dQ_i of one warpgroup (kBlockM queries x 64 head-dim columns, float32) on its way to
+  // dq_accum: two TMA boxes of 32 columns, each kBlockM 128-byte rows with the 128-byte swizzle.
+  static constexpr int kDqBoxBytes = kBlockM * kRowBytes;
+  static constexpr int kDqBoxes = 2;
+  static constexpr int kDqWgBytes = kDqBoxBytes * kDqBoxes;
   // Per stage: lse * log2(e), delta and the query segment ids (kBlockM 4-byte values each), then
   // the pair's header (BwdPairHeader).
-  static constexpr int kHeaderBytes = 32;
+  static constexpr int kHeaderBytes = 48;
   static constexpr int kRowStatBytes = 3 * kBlockM * 4 + kHeaderBytes;
 
   static constexpr int kKOffset = 0;
@@ -108,7 +116,8 @@ struct BwdWgmmaTraits {
   static constexpr int kQOffset = kVOffset + kKVBytes;
   static constexpr int kDoOffset = kQOffset + kStages * kQStageBytes;
   static constexpr int kDsOffset = kDoOffset + kStages * kQStageBytes;
-  static constexpr int kStatOffset = kDsOffset + 2 * kDsBytes;
+  static constexpr int kDqOffset = kDsOffset + 2 * kDsBytes;
+  static constexpr int kStatOffset = kDqOffset + kConsumerWarpgroups * kDqWgBytes;
   static constexpr int kBarOffset = kStatOffset + kStages * kRowStatBytes;
   // mbarriers: K/V full, then full and empty per stage.
   static constexpr int kNumBarriers = 1 + 2 * kStages;
@@ -122,7 +131,9 @@ struct BwdWgmmaTraits {
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>);
   static_assert(kD == 64 || kD == 128, "head_dim 64 and 128 only");
   static_assert(kBlockM * 2 == kRowBytes, "dS^T rows must be exactly one swizzle span");
-  static_assert(kKVPanelBytes % 1024 == 0 && kQPanelBytes % 1024 == 0 && kDsBytes % 1024 == 0);
+  static_assert(kKVPanelBytes % 1024 == 0 && kQPanelBytes % 1024 == 0 && kDsBytes % 1024 == 0 &&
+                kDqBoxBytes % 1024 == 0);
+  static_assert(kDqBoxes * 32 == 64, "a warpgroup's dQ_i has 64 head-dim columns");
   static_assert(kRowStatBytes % 16 == 0, "headers are read as 16-byte vectors");
   static_assert(kBlockM % kSegmentChunk == 0 && kBlockN % kSegmentChunk == 0);
   static_assert(kSmemBytes <= 227 * 1024);
@@ -131,7 +142,7 @@ struct BwdWgmmaTraits {
 
 // Named barriers (id 0 is __syncthreads): both consumer warpgroups together (dS^T written with
 // head_dim 128; zeroed rows of a packed sequence's boundary tile), and each consumer warpgroup
-// alone (dS^T written with head_dim 64, ids 2 and 3).
+// alone (dS^T written with head_dim 64, dQ_i staged for its TMA reduction; ids 2 and 3).
 inline constexpr int kBwdBarConsumers = 1;
 inline constexpr int kBwdBarDsOwnBase = 2;
 
@@ -142,8 +153,10 @@ struct BwdPairHeader {
   int flags;          // kPair* bits
   TileMask mask;      // query row r sees key column c iff mask.visible(r, c) (kPairMasked)
   int m0;             // the tile's first query row, sequence-local (the deterministic order)
+  int head;           // the query head
+  int pad[3];
 };
-static_assert(sizeof(BwdPairHeader) == 32);
+static_assert(sizeof(BwdPairHeader) == 48);
 
 inline constexpr int kPairEnd = 1;       // no more pairs: the consumers leave the loop
 inline constexpr int kPairMasked = 2;    // apply mask (band, end of the sequence's keys)
@@ -375,6 +388,51 @@ __device__ __forceinline__ void bwd_dscores(float (&dp)[Tr::kBlockM / 2],
   }
 }
 
+// dQ_i of one warpgroup added into dq_accum from registers with vector atomics: the path of the
+// deterministic order (semaphores) and of a packed sequence's last tile, whose rows past the
+// sequence are the neighbour's and must get nothing. Accumulator element 4i + 2r + e is (query
+// row 16 warp + g + 8r, column 8i + 2t + e of the warpgroup's 64).
+template <class Tr>
+__device__ __forceinline__ void bwd_dq_atomics(const float (&dq)[Tr::kBlockM / 2],
+                                               int64_t dq_offset, int rows, int m0, int cw,
+                                               int ctid, const BwdCtaTile* cta_tile,
+                                               const BwdWgmmaArgs& args) {
+  constexpr int kD = Tr::kD;
+  const int dq_lane = ctid % 32;
+  // Deterministic: this warpgroup's turn at the tile comes after every higher key tile that
+  // visits it. With the head dimension split the warpgroups add to disjoint columns, each half
+  // with its own counter; otherwise both add to every column, warpgroup 0 first.
+  int32_t* const sem =
+      args.dq_semaphores != nullptr
+          ? args.dq_semaphores + dq_offset / kD * kDqCounters + (Tr::kDqSplitD ? cw : 0)
+          : nullptr;
+  if (sem != nullptr) {
+    if (ctid % 128 == 0) {
+      const int ticket = dq_ticket(cta_tile->mask, m0, rows, cta_tile->n0, Tr::kBlockN);
+      dq_wait_turn(sem, Tr::kDqSplitD ? ticket : Tr::kConsumerWarpgroups * ticket + cw);
+    }
+    named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
+  }
+  // Rows past the sequence get nothing.
+  float* const dq_head = args.dq_accum + dq_offset +
+                         (Tr::kDqSplitD ? (ctid / 128) * Tr::kDqColBase : 0) + 2 * (dq_lane % 4);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int q = (ctid % 128) / 32 * 16 + dq_lane / 4 + 8 * r;
+    if (q < rows) {
+      float* const dq_row = dq_head + static_cast<int64_t>(q) * args.heads_q * kD;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        tc::red_add_f32x2(dq_row + 8 * i, dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+      }
+    }
+  }
+  if (sem != nullptr) {
+    named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
+    if (ctid % 128 == 0) dq_pass_turn(sem);
+  }
+}
+
 #endif  // JAX_FLASH_SM90A
 
 // Warpgroup 0 is the producer (only its warp 0 works), warpgroups 1 and 2 the consumers.
@@ -385,7 +443,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     bwd_wgmma_kernel(const BwdWgmmaArgs args, const __grid_constant__ CUtensorMap tm_q,
                      const __grid_constant__ CUtensorMap tm_k,
                      const __grid_constant__ CUtensorMap tm_v,
-                     const __grid_constant__ CUtensorMap tm_do) {
+                     const __grid_constant__ CUtensorMap tm_do,
+                     const __grid_constant__ CUtensorMap tm_dq) {
 #if JAX_FLASH_SM90A
   using T = typename Tr::Element;
   constexpr bool kMasked = Tr::kIsMasked;
@@ -552,6 +611,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           h->flags = flags;
           h->mask = ct.mask.tile(m0, ct.n0);
           h->m0 = m0;
+          h->head = head;
           mbar_arrive_expect_tx(bar_full(stage), 2 * Tr::kQStageBytes);
 #pragma unroll
           for (int p = 0; p < Tr::kPanels; ++p) {
@@ -655,10 +715,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       wgmma_ss_kmajor<kBlockM, kD, Tr::kKVPanelBytes, Tr::kQPanelBytes, T>(dp, v_desc, do_desc);
       wgmma_commit();
 
-      // P^T and dS^T on the unmasked path or, for a masked pair, with element masking (the two
-      // are separate copies so that unmasked pairs pay nothing for the mask).
+      // Groups retire in order: with dP^T pending, S^T is done.
       wgmma_wait<1>();
       fence_operand(s);
+      // P^T and dS^T on the unmasked path or, for a masked pair, with element masking (the two
+      // are separate copies so that unmasked pairs pay nothing for the mask).
       if (flags & kPairMasked) {
         bwd_probs<Tr, true>(s, p, stage_lse(stage), stage_qid(stage), hdr->mask,
                             kMasked && (flags & kPairSegments) != 0, kvid_s, key, t, args);
@@ -668,13 +729,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
 
       // dV += P^T dO over the tile's queries, 16 per wgmma, with dO as the MN-major B operand
-      // (head_dim contiguous, as V in the forward's O += P V); it runs under the dS math below.
+      // (head_dim contiguous, as V in the forward's O += P V); it runs under the dS math, the
+      // dS^T stores and the barrier below.
       wgmma_fence();
       wgmma_rs_mn<kD, kBlockM / 16, T>(dv, p, do_mn_desc);
       wgmma_commit();
 
-      // Groups retire in order: leaving one pending means S^T and dP^T are done while dV may
-      // still run.
+      // Leaving one group pending means dP^T is done while dV may still run.
       wgmma_wait<1>();
       fence_operand(dp);
       if (flags & kPairMasked) {
@@ -683,11 +744,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         bwd_dscores<Tr, false>(dp, s, stage_delta(stage), t);
       }
       convert_p<kBlockM, T>(dp, ds);
-
-      // dK += dS^T Q, Q as the MN-major B operand.
-      wgmma_fence();
-      wgmma_rs_mn<kD, kBlockM / 16, T>(dk, ds, q_mn_desc);
-      wgmma_commit();
 
       // dS^T to shared memory: key row kr of the 128-key tile, query pair (8i + 2t, +1) in chunk i
       // of the row, swizzled to chunk i ^ (kr % 8) = i ^ g. Two buffers alternate: a warpgroup
@@ -700,12 +756,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int kr = cw * 64 + warp * 16 + g + 8 * r;
-          const uint32_t packed = tc::pack2<T>(dp[4 * i + 2 * r], dp[4 * i + 2 * r + 1]);
           *reinterpret_cast<uint32_t*>(ds_tile + kr * Tr::kRowBytes + ((i ^ g) * 16) + t * 4) =
-              packed;
+              ds[i / 2][2 * (i % 2) + r];
         }
       }
       fence_proxy_async_smem();
+      // The warpgroup's dQ staging buffer is rewritten below: its previous TMA reduction must
+      // have read it (the barrier passes that on to the other threads).
+      if (tid == 0) tma_wait_read();
       if constexpr (Tr::kDqSplitD) {
         named_barrier_sync(kBwdBarConsumers, 128 * Tr::kConsumerWarpgroups);
       } else if (cw == 0) {
@@ -715,7 +773,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
 
       // dQ_i (64 queries x 64 head-dim columns) = dS K over kDqKeys keys: A = dS^T read as
-      // MN-major dS, B = K MN-major; both advance 16 key rows per wgmma.
+      // MN-major dS, B = K MN-major; both advance 16 key rows per wgmma. Then dK += dS^T Q (Q as
+      // the MN-major B operand), which runs while dQ_i leaves.
       const uint64_t ds_desc = smem_desc_sw128(
           ds_smem + buf * Tr::kDsBytes + (Tr::kDqSplitD ? 0 : cw * 64 * Tr::kRowBytes),
           static_cast<uint32_t>(Tr::kDsBytes));
@@ -726,57 +785,67 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                               desc_advance(k_mn_desc, k * 16 * Tr::kRowBytes), k > 0 ? 1u : 0u);
       }
       wgmma_commit();
-      wgmma_wait<0>();
+      wgmma_rs_mn<kD, kBlockM / 16, T>(dk, ds, q_mn_desc);
+      wgmma_commit();
+      wgmma_wait<1>();
       fence_operand(dq);
-      fence_operand(dk);
-      fence_operand(dv);
-      fence_operand(p);
-      fence_operand(ds);
       // The header is read before the release lets the producer rewrite it.
       const int64_t dq_offset = hdr->dq_offset;
       const int rows = hdr->rows;
       const int m0 = hdr->m0;
-      mbar_arrive(bar_empty(stage));
+      const int head = hdr->head;
 
-      // dq accumulator element 4i + 2r + e is (query row 16 warp + g + 8r, head-dim column
-      // 64 cw + 8i + 2t + e when split, else 8i + 2t + e). Rows past the sequence get nothing.
       // The thread's position is re-read here (volatile) so that the compiler computes these
       // addresses now, when s and dP^T are dead, instead of keeping them live across the loop.
       const int ctid = fresh_thread_index() - 128;
-      // Deterministic: this warpgroup's turn at the tile comes after every higher key tile that
-      // visits it. With the head dimension split the warpgroups add to disjoint columns, each
-      // half with its own counter; otherwise both add to every column, warpgroup 0 first.
-      int32_t* const sem =
-          args.dq_semaphores != nullptr
-              ? args.dq_semaphores + dq_offset / kD * kDqCounters + (Tr::kDqSplitD ? cw : 0)
-              : nullptr;
-      if (sem != nullptr) {
-        if (ctid % 128 == 0) {
-          const int ticket = dq_ticket(cta_tile->mask, m0, rows, cta_tile->n0, kBlockN);
-          dq_wait_turn(sem, Tr::kDqSplitD ? ticket : Tr::kConsumerWarpgroups * ticket + cw);
-        }
-        named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
-      }
       const int dq_lane = ctid % 32;
-      float* const dq_head = args.dq_accum + dq_offset +
-                             (Tr::kDqSplitD ? (ctid / 128) * Tr::kDqColBase : 0) +
-                             2 * (dq_lane % 4);
+      // dq accumulator element 4i + 2r + e is (query row 16 warp + g + 8r, column 8i + 2t + e of
+      // the warpgroup's 64: 64 cw + 8i + 2t + e of the head when split).
+      if (args.dq_semaphores == nullptr && (flags & kPairZeroRows) == 0) {
+        // Staged for a TMA reduction: box i / 4, 128-byte row q, 16-byte chunk 2 (i % 4) + t / 2
+        // swizzled by q % 8 = g, 8 bytes in. Rows past a dense sequence are clipped by the map;
+        // a packed tile's rows past its sequence take the path below.
+        uint8_t* const stage_dq = smem + Tr::kDqOffset + (ctid / 128) * Tr::kDqWgBytes;
+        const int qg = dq_lane / 4;
+        const int qt = dq_lane % 4;
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int q = (ctid % 128) / 32 * 16 + dq_lane / 4 + 8 * r;
-        if (q < rows) {
-          float* const dq_row = dq_head + static_cast<int64_t>(q) * args.heads_q * kD;
+        for (int r = 0; r < 2; ++r) {
+          const int q = (ctid % 128) / 32 * 16 + qg + 8 * r;
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
-            tc::red_add_f32x2(dq_row + 8 * i, dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+            const int chunk = (2 * (i % 4) + qt / 2) ^ qg;
+            *reinterpret_cast<float2*>(stage_dq + (i / 4) * Tr::kDqBoxBytes + q * Tr::kRowBytes +
+                                       chunk * 16 + (qt % 2) * 8) =
+                make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
           }
         }
-      }
-      if (sem != nullptr) {
+        fence_proxy_async_smem();
         named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
-        if (ctid % 128 == 0) dq_pass_turn(sem);
+        if (ctid % 128 == 0) {
+          const uint32_t src = tc::smem_addr(stage_dq);
+          const int col = Tr::kDqSplitD ? (ctid / 128) * Tr::kDqColBase : 0;
+          const int row = static_cast<int>((varlen ? cta_tile->span.q_start : 0) + m0);
+          const int batch = varlen ? 0 : static_cast<int>(cta_tile->span.seq);
+#pragma unroll
+          for (int b = 0; b < Tr::kDqBoxes; ++b) {
+            tma_reduce_add_4d(&tm_dq, src + b * Tr::kDqBoxBytes, col + 32 * b, head, row, batch);
+          }
+          tma_commit();
+        }
+      } else {
+        bwd_dq_atomics<Tr>(dq, dq_offset, rows, m0, cw, ctid, cta_tile, args);
       }
+      // dK += dS^T Q is done with Q and dS^T: the stage goes back to the producer.
+      wgmma_wait<0>();
+      fence_operand(dk);
+      fence_operand(dv);
+      fence_operand(p);
+      fence_operand(ds);
+      mbar_arrive(bar_empty(stage));
     }
+    // Shared memory must outlive the TMA reductions' reads of it; waiting for their writes too
+    // leaves nothing in flight when the CTA retires.
+    if (tid == 0) tma_wait_all();
   }
 
   // Epilogue: dK = scale * dS^T Q, dV, element 4i + 2r + e at (key row g + 8r, column 8i + 2t + e).

@@ -28,11 +28,12 @@ inline bool aligned(const void* ptr, uintptr_t bytes) {
   return (reinterpret_cast<uintptr_t>(ptr) & (bytes - 1)) == 0;
 }
 
-// A [batch, seqlen, heads, head_dim] 16-bit tensor as a 4-D TMA map (innermost first), read or
-// written in boxes of 64 head-dim columns (one 128-byte swizzle span) x `box_rows` sequence
-// positions of one head. Rows past seqlen read as zeros and are not written. A zero seqlen is
-// encoded as 1 (TMA dims must be nonzero): callers never load such a map. False on failure.
+// A [batch, seqlen, heads, head_dim] tensor of 2-byte (or, with elem_bytes 4, float32) elements as
+// a 4-D TMA map (innermost first), read or written in boxes of one 128-byte swizzle span of
+// head-dim columns (64 of 2 bytes, 32 of 4) x `box_rows` sequence positions of one head. Rows past
+// seqlen read as zeros and are not written. A zero seqlen is encoded as 1 (TMA dims must be
+// nonzero): callers never load such a map. False on failure.
 bool encode_bshd(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, int64_t batch,
-                 int64_t seqlen, int64_t heads, int64_t head_dim, int box_rows);
+                 int64_t seqlen, int64_t heads, int64_t head_dim, int box_rows, int elem_bytes = 2);
 
 }  // namespace jax_flash::cuda::sm90
