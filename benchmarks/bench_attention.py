@@ -18,7 +18,7 @@ time from that carry folder (dew_flash_attn/__init__.py, with the FlashAttention
 import removed, and libdew_flash_attn3.so.xz, as shared/ANCHORS.md describes); without one, or
 off an sm90 GPU, its columns are left out and the report's "fa3" line says why. The whole grid
 with FA3 takes longer than one 10-minute job; on an H200 a bf16 run in about 5 minutes is
-    JAX_FLASH_COMMIT=<commit> python3 benchmarks/bench_attention.py --fa3-dir fa3_carry \
+    JAX_FLASH_COMMIT=<commit> python3 benchmarks/bench_attention.py --fa3-dir fa3_carry \\
         --dtypes bf16 --impls jax_flash cudnn fa3 --seqlens 1k 4k 16k --no-memory --time-limit 280
 
 Writes <out>/attention_<gpu|cpu>[_quick].md (tables), .csv (one row per implementation and
