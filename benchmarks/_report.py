@@ -309,7 +309,10 @@ def markdown_report(
     memory: Sequence[MemoryResult],
     memory_title: str,
     interrupted: bool,
+    versus: Sequence[str] = (),
 ) -> str:
+    """The report; `versus` names implementations that jax_flash's time is also divided by,
+    each in a 'jax_flash / <impl>' column after the baseline's ratios."""
     table = by_cell(results)
     lines = markdown_head(
         "jax_flash attention benchmark", env, [*method, FLOP_FORMULA], interrupted
@@ -320,10 +323,14 @@ def markdown_report(
         ratio_note = (
             f"; ratio = implementation / {LABELS[baseline]}, >1 is faster" if baseline else ""
         )
+        if versus:
+            named = ", ".join(f"jax_flash / {LABELS[impl]}" for impl in versus)
+            ratio_note += f"; {named} likewise, >1 is jax_flash faster"
         lines += ["", f"## {dtype}, {direction} ({unit.name}{ratio_note})", ""]
         header = ["head_dim", "causal", "seqlen", "batch × heads"]
         header += [f"{LABELS[impl]}" for impl in impls]
         header += [f"{LABELS[impl]} / {LABELS[baseline]}" for impl in others]
+        header += [f"jax_flash / {LABELS[impl]}" for impl in versus]
         section = [c for c in cells if c.dtype == dtype and c.backward == backward]
         rows = []
         for cell in sorted(section, key=lambda c: (c.head_dim, c.causal, c.seqlen)):
@@ -331,8 +338,10 @@ def markdown_report(
             row = [str(cell.head_dim), "yes" if cell.causal else "no", seqlen_label(cell.seqlen)]
             row.append(f"{cell.batch} × {cell.heads}")
             row += [md_value(measured.get(impl), unit) for impl in impls]
-            for impl in others:
-                r = ratio(measured, impl, baseline)
+            pairs = [(impl, baseline) for impl in others]
+            pairs += [("jax_flash", impl) for impl in versus]
+            for impl, reference in pairs:
+                r = ratio(measured, impl, reference)
                 row.append("-" if r is None else f"{r:.2f}")
             rows.append(row)
         lines += md_table(header, rows)
@@ -378,11 +387,15 @@ def summary_lines(
     impls: Sequence[str],
     baseline: str | None,
     unit: Unit,
+    versus: Sequence[str] = (),
 ) -> list[str]:
-    """The compact closing table: jax_flash's rate and its ratio to the baseline per cell."""
+    """The compact closing table: jax_flash's rate and its ratio to the baseline per cell, then
+    its ratio to each of `versus`."""
     table = by_cell(results)
     subject = "jax_flash" if "jax_flash" in impls else impls[0]
     base = LABELS[baseline] if baseline and baseline != subject else None
+    base_impl = baseline if base else None
+    versus = [impl for impl in versus if impl != subject]
     name = LABELS[subject]
     # Rows are (dtype, direction, head_dim, causal), columns seqlen; batch and heads follow from
     # those, so they are not part of the key.
@@ -396,13 +409,19 @@ def summary_lines(
             cell = keyed.get((dtype, backward, head_dim, causal, seqlen))
             measured = table.get(cell, {}) if cell else None
             row.append(
-                "" if measured is None else _summary_value(measured, subject, baseline, unit)
+                ""
+                if measured is None
+                else _summary_value(measured, subject, (base_impl, *versus), unit)
             )
         rows.append(row)
     text = text_table(header, rows)
-    if base:
-        title = f"{name} {unit.name} and ratio to {base} ({name}/{base}; >1 = {name} faster)"
-        legend = f"each entry: {name} {unit.name}, then {name}/{base} ('--': no {base} figure); "
+    references = [LABELS[impl] for impl in (base_impl, *versus) if impl]
+    if references:
+        ratios = [f"{name}/{r}" for r in references]
+        title = f"{name} {unit.name} and ratio to {' and '.join(references)} "
+        title += f"({', '.join(ratios)}; >1 = {name} faster)"
+        legend = f"each entry: {name} {unit.name}, then {', then '.join(ratios)} "
+        legend += f"('--': no {' or '.join(references)} figure); "
     else:
         title = f"{name} {unit.name}"
         legend = f"each entry: {name} {unit.name}; "
@@ -412,18 +431,20 @@ def summary_lines(
 
 
 def _summary_value(
-    measured: dict[str, Result], subject: str, baseline: str | None, unit: Unit
+    measured: dict[str, Result], subject: str, references: Sequence[str | None], unit: Unit
 ) -> str:
+    """subject's rate, then its ratio to each of references (None: the baseline is not shown)."""
     if subject not in measured:
         return "-"  # the run was interrupted before this cell
     mine = measured[subject]
     if mine.error:
         return "err"
-    rate = format_rate(mine.rate(unit.scale)) + ("!" if mine.suspect else "")
-    if baseline is None or baseline == subject:
-        return rate
-    r = ratio(measured, subject, baseline)
-    return f"{rate} {'--' if r is None else f'{r:.2f}'}"
+    parts = [format_rate(mine.rate(unit.scale)) + ("!" if mine.suspect else "")]
+    for reference in references:
+        if reference is not None:
+            r = ratio(measured, subject, reference)
+            parts.append("--" if r is None else f"{r:.2f}")
+    return " ".join(parts)
 
 
 RESULT_FIELDS = (
@@ -441,23 +462,37 @@ RESULT_FIELDS = (
 )
 
 
-def result_fields(unit: Unit, baseline: str | None) -> list[str]:
-    """RESULT_FIELDS as CSV column names for this unit and baseline."""
+def result_fields(unit: Unit, baseline: str | None, versus: Sequence[str] = ()) -> list[str]:
+    """RESULT_FIELDS as CSV column names for this unit and baseline, with a ratio_to_<impl>
+    column for each of `versus` after the baseline's."""
     names = {"rate": unit.column}
     if baseline:
         names["ratio_to_baseline"] = f"ratio_to_{baseline}"
-    return [names.get(field, field) for field in RESULT_FIELDS]
+    fields = [names.get(field, field) for field in RESULT_FIELDS]
+    after = RESULT_FIELDS.index("ratio_to_baseline") + 1
+    fields[after:after] = [f"ratio_to_{impl}" for impl in versus]
+    return fields
 
 
-def result_values(result: Result, unit: Unit, ratio_to_baseline: float | None) -> list[object]:
-    """One result's RESULT_FIELDS values."""
+def _ratio_text(value: float | None) -> str:
+    return "" if value is None else f"{value:.4f}"
+
+
+def result_values(
+    result: Result,
+    unit: Unit,
+    ratio_to_baseline: float | None,
+    ratios_versus: Sequence[float | None] = (),
+) -> list[object]:
+    """One result's values, in result_fields' order."""
     rate = result.rate(unit.scale)
     return [
         result.impl,
         f"{result.cell.flops():.6g}",
         "" if result.seconds is None else f"{result.seconds * 1e3:.4f}",
         "" if rate is None else f"{rate:.2f}",
-        "" if ratio_to_baseline is None else f"{ratio_to_baseline:.4f}",
+        _ratio_text(ratio_to_baseline),
+        *(_ratio_text(value) for value in ratios_versus),
         result.iters,
         result.repeats,
         " ".join(f"{t * 1e3:.4f}" for t in result.per_repeat),
@@ -467,12 +502,17 @@ def result_values(result: Result, unit: Unit, ratio_to_baseline: float | None) -
     ]
 
 
-def csv_rows(measured: dict[str, Result], baseline: str | None, unit: Unit) -> list[list[object]]:
-    """One row per implementation of one measured cell: the cell's csv_values, then the result."""
-    return [
-        [*result.cell.csv_values(), *result_values(result, unit, ratio(measured, impl, baseline))]
-        for impl, result in measured.items()
-    ]
+def csv_rows(
+    measured: dict[str, Result], baseline: str | None, unit: Unit, versus: Sequence[str] = ()
+) -> list[list[object]]:
+    """One row per implementation of one measured cell: the cell's csv_values, then the result,
+    whose ratios are its own to the baseline and to each of `versus`."""
+    rows = []
+    for impl, result in measured.items():
+        to_versus = [ratio(measured, impl, other) for other in versus]
+        values = result_values(result, unit, ratio(measured, impl, baseline), to_versus)
+        rows.append([*result.cell.csv_values(), *values])
+    return rows
 
 
 class CsvSink:

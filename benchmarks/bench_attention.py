@@ -3,12 +3,23 @@
     python benchmarks/bench_attention.py            # the full grid on a GPU; a small grid on CPU
     python benchmarks/bench_attention.py --quick    # a few cells, for a smoke run
     python benchmarks/bench_attention.py --dry-run  # list the cells and exit
+    python benchmarks/bench_attention.py --fa3-dir fa3_carry  # with FlashAttention-3 (sm90 only)
 
 On a GPU it measures the standard grid of the FlashAttention papers (16k tokens per cell,
 hidden 2048, head_dim 64/128/256, seqlen 512..16k, causal and not, forward and
 forward+backward, bf16 and fp16) against jax.nn.dot_product_attention with
 implementation="cudnn" and "xla", plus the compiled temp memory of one long sequence. Without a
 GPU it runs a small fp32 grid against XLA on the CPU (about 2-3 minutes on 2 cores).
+
+With --fa3-dir, FlashAttention-3 (dew_flash_attn.flash_mha) is measured too in every GPU cell it
+takes (bf16 and fp16, head_dim up to 256: the whole standard grid), checked against the others,
+and divided by in "jax_flash / FA3" columns beside "jax_flash / cuDNN". It is imported at run
+time from that carry folder (dew_flash_attn/__init__.py, with the FlashAttention-2 library's
+import removed, and libdew_flash_attn3.so.xz, as shared/ANCHORS.md describes); without one, or
+off an sm90 GPU, its columns are left out and the report's "fa3" line says why. The whole grid
+with FA3 takes longer than one 10-minute job; on an H200 a bf16 run in about 5 minutes is
+    JAX_FLASH_COMMIT=<commit> python3 benchmarks/bench_attention.py --fa3-dir fa3_carry \\
+        --dtypes bf16 --impls jax_flash cudnn fa3 --seqlens 1k 4k 16k --no-memory --time-limit 280
 
 Writes <out>/attention_<gpu|cpu>[_quick].md (tables), .csv (one row per implementation and
 cell), _memory.csv and .png (rate vs seqlen), and prints one line per measured cell. <out> is
@@ -31,6 +42,7 @@ from typing import Any
 
 import jax
 from _env import environment, resolve_device
+from _fa3 import FA3_DIR_HELP, FA3_DTYPES, FA3_MAX_HEAD_DIM, load_fa3, plan_fa3
 from _report import (
     CHECK_TOLERANCE,
     DTYPES,
@@ -47,6 +59,7 @@ from _report import (
     memory_lines,
     plot,
     progress_line,
+    ratio,
     result_fields,
     seqlen_label,
     summary_lines,
@@ -68,7 +81,7 @@ from _timing import (
 import jax_flash
 
 DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32"}
-IMPL_NAMES = ("jax_flash", "cudnn", "xla")
+IMPL_NAMES = ("jax_flash", "cudnn", "xla", "fa3")
 # A scratch folder, so that a plain run never overwrites the committed results in
 # benchmarks/results (pass --out benchmarks/results to update those).
 DEFAULT_OUT = Path(tempfile.gettempdir()) / "jax_flash_bench"
@@ -91,6 +104,7 @@ class Grid:
     heads: int
     impls: tuple[str, ...]
     baseline: str | None  # ratios are to this one; None when it is not measured
+    versus: tuple[str, ...]  # jax_flash's ratio is also shown to these (FA3 when it is measured)
     repeats: int
     iters: int | None  # None: chosen per cell from a warm-up call
     memory_seqlens: tuple[int, ...]
@@ -132,6 +146,7 @@ GPU_GRID = Grid(
     heads=0,
     impls=("jax_flash", "cudnn", "xla"),
     baseline="cudnn",
+    versus=(),
     repeats=5,
     iters=20,
     memory_seqlens=(8192, 32768, 131072),
@@ -169,6 +184,7 @@ CPU_GRID = Grid(
     heads=8,
     impls=("jax_flash", "xla"),
     baseline="xla",
+    versus=(),
     repeats=3,
     iters=None,
     memory_seqlens=(8192, 16384, 32768),
@@ -202,17 +218,47 @@ def _jax_nn(implementation: str) -> AttentionFn:
     return attend
 
 
-IMPLS: dict[str, AttentionFn] = {
-    "jax_flash": _flash,
-    "cudnn": _jax_nn("cudnn"),
-    # Explicit: implementation=None would pick cuDNN on a GPU.
-    "xla": _jax_nn("xla"),
-}
+def _fa3(fa3: Any) -> AttentionFn:
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
+        # flash_mha aligns a causal mask to the last key and the others to the first; every
+        # cell here has as many keys as queries, where the two masks are the same.
+        return fa3.flash_mha(q, k, v, is_causal=causal)
+
+    return attend
 
 
-def benchmark_fn(impl: str, causal: bool, backward: bool) -> Callable[..., Any]:
+def implementations(fa3: Any | None) -> dict[str, AttentionFn]:
+    """The functions under each implementation's name; FA3's only when its module was loaded."""
+    impls = {
+        "jax_flash": _flash,
+        "cudnn": _jax_nn("cudnn"),
+        # Explicit: implementation=None would pick cuDNN on a GPU.
+        "xla": _jax_nn("xla"),
+    }
+    if fa3 is not None:
+        impls["fa3"] = _fa3(fa3)
+    return impls
+
+
+def takes(impl: str, cell: Cell) -> bool:
+    """Whether impl is measured on cell: FA3's API has no float32 and no head_dim above 256, and
+    a cell it cannot take is left out of its column rather than recorded as its error."""
+    if impl == "fa3":
+        return cell.dtype in FA3_DTYPES and cell.head_dim <= FA3_MAX_HEAD_DIM
+    return True
+
+
+def check_order(grid: Grid) -> list[str]:
+    """Whose outputs the others are checked against: the first of these that ran."""
+    # jax_flash is what is under test, so it is the reference only as a last resort. XLA comes
+    # before FA3: its unfused softmax is the formula itself, so when the baseline fails a wrong
+    # FA3 figure is caught rather than made the yardstick.
+    others = [i for i in grid.impls if i not in ("jax_flash", grid.baseline)]
+    return [i for i in (grid.baseline, *others, "jax_flash") if i]
+
+
+def benchmark_fn(attend: AttentionFn, causal: bool, backward: bool) -> Callable[..., Any]:
     """The function that is jitted and timed: forward, or forward + backward for a given dout."""
-    attend = IMPLS[impl]
 
     def forward(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         return attend(q, k, v, causal)
@@ -233,10 +279,15 @@ def make_inputs(cell: Cell, with_dout: bool) -> list[jax.Array]:
 
 
 def measure(
-    cell: Cell, impl: str, inputs: Sequence[jax.Array], grid: Grid, device: jax.Device
+    cell: Cell,
+    impl: str,
+    attend: AttentionFn,
+    inputs: Sequence[jax.Array],
+    grid: Grid,
+    device: jax.Device,
 ) -> tuple[Result, list[jax.Array]]:
     """Times one implementation on one cell; also returns one call's outputs for the check."""
-    fn = benchmark_fn(impl, cell.causal, cell.backward)
+    fn = benchmark_fn(attend, cell.causal, cell.backward)
     args = list(inputs[:4] if cell.backward else inputs[:3])
     try:
         per_call, iters, outputs = run_timed(
@@ -251,15 +302,15 @@ def measure(
 def run_grid(
     grid: Grid,
     cells: Sequence[Cell],
+    fns: dict[str, AttentionFn],
     device: jax.Device,
     unit: Unit,
     results: list[Result],
     sink: CsvSink,
 ) -> None:
-    """Measures every cell with every implementation; appends to results as it goes."""
-    # jax_flash is what is under test, so it is the reference only as a last resort.
-    others = [i for i in grid.impls if i not in ("jax_flash", grid.baseline)]
-    order = [i for i in (grid.baseline, *others, "jax_flash") if i]
+    """Measures every cell with every implementation that takes it; appends to results as it
+    goes."""
+    order = check_order(grid)
     index = 0
     for _, group in itertools.groupby(cells, key=lambda c: (c.dtype, c.shape)):
         group = list(group)
@@ -273,28 +324,37 @@ def run_grid(
             for cell in group:
                 index += 1
                 start = time.perf_counter()
+                impls = [i for i in grid.impls if takes(i, cell)]
                 if reason:
-                    measured = {
-                        i: Result(cell, i, None, reason, 0, grid.repeats) for i in grid.impls
-                    }
+                    measured = {i: Result(cell, i, None, reason, 0, grid.repeats) for i in impls}
                 else:
                     measured, outputs = {}, {}
-                    for impl in grid.impls:
-                        measured[impl], outputs[impl] = measure(cell, impl, inputs, grid, device)
+                    for impl in impls:
+                        measured[impl], outputs[impl] = measure(
+                            cell, impl, fns[impl], inputs, grid, device
+                        )
                     measured = cross_check(measured, outputs, order)
                     release([x for leaves in outputs.values() for x in leaves])
                 results.extend(measured.values())
-                sink.add(csv_rows(measured, grid.baseline, unit))
+                sink.add(csv_rows(measured, grid.baseline, unit, grid.versus))
                 elapsed = time.perf_counter() - start
+                extra = " | ".join(_versus_text(measured, impl) for impl in grid.versus)
                 line = progress_line(
-                    index, len(cells), cell, measured, grid.baseline, unit, elapsed
+                    index, len(cells), cell, measured, grid.baseline, unit, elapsed, extra
                 )
                 print(line, flush=True)
         finally:
             release(inputs)
 
 
-def run_memory(grid: Grid, device: jax.Device, results: list[MemoryResult]) -> None:
+def _versus_text(measured: dict[str, Result], impl: str) -> str:
+    r = ratio(measured, "jax_flash", impl)
+    return f"jax_flash/{LABELS[impl]} {'-' if r is None else f'{r:.2f}'}"
+
+
+def run_memory(
+    grid: Grid, fns: dict[str, AttentionFn], device: jax.Device, results: list[MemoryResult]
+) -> None:
     """Compiled temp bytes at long sequences. Shapes only: nothing is allocated or run, so XLA's
     quadratic score matrix can be reported at lengths where it would never fit."""
     batch, heads, head_dim = grid.memory_shape
@@ -304,7 +364,7 @@ def run_memory(grid: Grid, device: jax.Device, results: list[MemoryResult]) -> N
         spec = jax.ShapeDtypeStruct(shape, DTYPES[grid.memory_dtype], sharding=sharding)
         row = []
         for impl, backward in grid.memory_columns:
-            fn = benchmark_fn(impl, causal=True, backward=backward)
+            fn = benchmark_fn(fns[impl], causal=True, backward=backward)
             try:
                 temp = temp_bytes(compile_jit(fn, [spec] * (4 if backward else 3)))
                 entry = MemoryResult(seqlen, impl, backward, temp, None)
@@ -320,8 +380,14 @@ def method_lines(grid: Grid) -> list[str]:
     iters = "auto-chosen (>= 0.3 s per repeat, at most 20)" if grid.iters is None else grid.iters
     lines = [
         "Implementations: jax_flash.attention; cuDNN = jax.nn.dot_product_attention(..., "
-        'implementation="cudnn"); XLA = the same with implementation="xla". Same process, '
-        "same inputs, layout [B, S, H, D].",
+        'implementation="cudnn"); XLA = the same with implementation="xla"'
+        + (
+            "; FA3 = FlashAttention-3, dew_flash_attn.flash_mha(q, k, v, is_causal=...) "
+            f"(its {'/'.join(FA3_DTYPES)} cells, head_dim up to {FA3_MAX_HEAD_DIM})"
+            if "fa3" in grid.impls
+            else ""
+        )
+        + ". Same process, same inputs, layout [B, S, H, D].",
         "Timing: each function is jitted and compiled once per cell, warmed up with 2 calls, "
         f"then timed as {grid.repeats} repeats of {iters} back-to-back calls "
         "(block_until_ready on the whole output tree after the last call); the median time per "
@@ -340,9 +406,13 @@ def method_lines(grid: Grid) -> list[str]:
     else:
         lines.append(f"Inputs: random normal, B = {grid.batch}, H = {grid.heads}.")
     tolerances = ", ".join(f"{k} {v:g}" for k, v in CHECK_TOLERANCE.items())
-    reference = (
-        f"{LABELS[grid.baseline]}'s (or the next that ran)" if grid.baseline else "another's"
-    )
+    order = check_order(grid)
+    if grid.baseline and "fa3" in grid.impls:
+        reference = "the first that ran of " + ", ".join(f"{LABELS[i]}'s" for i in order)
+    elif grid.baseline:
+        reference = f"{LABELS[grid.baseline]}'s (or the next that ran)"
+    else:
+        reference = "another's"
     lines.append(
         "Check: one call's outputs (out; with the backward also dq, dk, dv) of each "
         f"implementation are compared with {reference}; a relative L2 error above {tolerances} "
@@ -404,8 +474,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--impls",
         nargs="+",
         choices=IMPL_NAMES,
-        help="default: jax_flash cudnn xla on GPU, jax_flash xla on CPU",
+        help="default: jax_flash cudnn xla on GPU (and fa3 with --fa3-dir), jax_flash xla on CPU",
     )
+    parser.add_argument("--fa3-dir", type=Path, help=FA3_DIR_HELP)
     parser.add_argument("--no-backward", action="store_true", help="forward only")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory table")
     parser.add_argument(
@@ -446,12 +517,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             args.iters = int(args.iters)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.impls and "fa3" in args.impls and args.fa3_dir is None:
+        parser.error("--impls fa3 needs --fa3-dir")
     args.error = parser.error
     return args
 
 
-def build_grid(args: argparse.Namespace, name: str) -> Grid:
-    """The default grid for name, with the command line's overrides applied and checked."""
+def build_grid(args: argparse.Namespace, name: str, fa3: Any | None) -> Grid:
+    """The default grid for name, with the command line's overrides applied and checked; FA3 is
+    among the implementations when fa3 (its module, or a dry run's stand-in) is given."""
     if name == "gpu":
         grid = GPU_QUICK if args.quick else GPU_GRID
     else:
@@ -469,8 +543,12 @@ def build_grid(args: argparse.Namespace, name: str) -> Grid:
         changes["seqlens"] = seqlens
         if grid.backward_seqlens is not None:
             changes["backward_seqlens"] = seqlens[:-1] if len(seqlens) > 1 else seqlens
-    if args.impls:
-        changes["impls"] = tuple(i for i in IMPL_NAMES if i in args.impls)
+    wanted = args.impls or (*grid.impls, "fa3")
+    impls = tuple(i for i in IMPL_NAMES if i in wanted and (i != "fa3" or fa3 is not None))
+    if impls != grid.impls:
+        changes["impls"] = impls
+    if "fa3" in impls and "jax_flash" in impls:
+        changes["versus"] = ("fa3",)
     if args.memory_seqlens:
         changes["memory_seqlens"] = tuple(args.memory_seqlens)
     if args.tokens:
@@ -516,7 +594,7 @@ def output_paths(args: argparse.Namespace, grid: Grid) -> dict[str, Path]:
     }
 
 
-def print_plan(grid: Grid, cells: Sequence[Cell], files: Sequence[Path]) -> None:
+def print_plan(grid: Grid, cells: Sequence[Cell], fa3_status: str, files: Sequence[Path]) -> None:
     iters = "auto" if grid.iters is None else grid.iters
     print(
         f"grid {grid.name}: {len(cells)} cells x {len(grid.impls)} implementations "
@@ -524,10 +602,13 @@ def print_plan(grid: Grid, cells: Sequence[Cell], files: Sequence[Path]) -> None
         f"baseline {LABELS[grid.baseline] if grid.baseline else 'none'}; "
         f"{grid.repeats} repeats x {iters} calls"
     )
+    print(f"FA3: {fa3_status}")
     print(FLOP_FORMULA)
     for index, cell in enumerate(cells, 1):
         flops = cell.flops()
-        print(f"  [{index:>3}] {cell.label()} {flops / 1e9:9.1f} GFLOP")
+        left_out = ", ".join(LABELS[i] for i in grid.impls if not takes(i, cell))
+        note = f" (without {left_out})" if left_out else ""
+        print(f"  [{index:>3}] {cell.label()} {flops / 1e9:9.1f} GFLOP{note}")
     if grid.memory_columns and grid.memory_seqlens:
         columns = ", ".join(
             f"{LABELS[i]} {'fwd+bwd' if b else 'fwd'}" for i, b in grid.memory_columns
@@ -557,6 +638,7 @@ def measure_everything(
     args: argparse.Namespace,
     grid: Grid,
     cells: Sequence[Cell],
+    fns: dict[str, AttentionFn],
     device: jax.Device,
     unit: Unit,
     sink: CsvSink,
@@ -566,9 +648,9 @@ def measure_everything(
     memory: list[MemoryResult] = []
     try:
         with stop_signals(args.time_limit):
-            run_grid(grid, cells, device, unit, results, sink)
+            run_grid(grid, cells, fns, device, unit, results, sink)
             if not args.no_memory and grid.memory_columns:
-                run_memory(grid, device, memory)
+                run_memory(grid, fns, device, memory)
     except KeyboardInterrupt as stop:
         print(f"interrupted ({stop_reason(stop)}): writing what was measured so far", flush=True)
         return results, memory, True
@@ -597,6 +679,7 @@ def write_outputs(
         memory,
         memory_title(grid),
         interrupted,
+        grid.versus,
     )
     paths[".md"].write_text(report)
     written = [paths[".md"], paths[".csv"]]
@@ -631,7 +714,8 @@ def print_closing(
         print(f"\nMemory: {memory_title(grid)}")
         print("\n".join(memory_lines(memory, markdown=False)))
     print()
-    print("\n".join(summary_lines(cells, results, grid.impls, grid.baseline, unit)))
+    summary = summary_lines(cells, results, grid.impls, grid.baseline, unit, grid.versus)
+    print("\n".join(summary))
     failed = sum(1 for r in results if r.error)
     suspect = sum(1 for r in results if r.suspect)
     if failed:
@@ -642,16 +726,27 @@ def print_closing(
         print("run interrupted: the tables hold only the cells measured before")
 
 
-def run(args: argparse.Namespace, grid: Grid, cells: Sequence[Cell], device: jax.Device) -> int:
+def run(
+    args: argparse.Namespace,
+    grid: Grid,
+    cells: Sequence[Cell],
+    device: jax.Device,
+    fa3: Any | None,
+    fa3_status: str,
+) -> int:
     unit = Unit.for_grid("cpu" if device.platform == "cpu" else "gpu")
     env = environment(device)
+    env["fa3"] = fa3_status
     print_header(args, grid, cells, env)
     args.out.mkdir(parents=True, exist_ok=True)
     paths = output_paths(args, grid)
-    fields = [*Cell.CSV_FIELDS, *result_fields(unit, grid.baseline)]
+    fields = [*Cell.CSV_FIELDS, *result_fields(unit, grid.baseline, grid.versus)]
     sink = CsvSink(paths[".csv"], env, fields)
+    fns = implementations(fa3)
     try:
-        results, memory, interrupted = measure_everything(args, grid, cells, device, unit, sink)
+        results, memory, interrupted = measure_everything(
+            args, grid, cells, fns, device, unit, sink
+        )
     finally:
         sink.close()
     written = write_outputs(paths, env, grid, cells, results, memory, unit, interrupted)
@@ -662,14 +757,24 @@ def run(args: argparse.Namespace, grid: Grid, cells: Sequence[Cell], device: jax
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     platform_name, device = resolve_device(args.platform, args.dry_run)
-    grid = build_grid(args, args.grid or platform_name)
+    name = args.grid or platform_name
+    if args.fa3_dir is not None and args.impls and "fa3" not in args.impls:
+        fa3, status = None, "not measured: fa3 is not in --impls"
+    elif name != "gpu":
+        fa3, status = None, "not measured on a CPU"
+    elif args.dry_run:
+        # Nothing is imported or run: FA3's columns are planned when its files are there.
+        fa3, status = plan_fa3(args.fa3_dir)
+    else:
+        fa3, status = load_fa3(args.fa3_dir, device)
+    grid = build_grid(args, name, fa3)
     cells = grid.cells(backward=not args.no_backward)
     if args.dry_run:
-        print_plan(grid, cells, list(output_paths(args, grid).values()))
+        print_plan(grid, cells, status, list(output_paths(args, grid).values()))
         return 0
     assert device is not None
     with jax.default_device(device):
-        return run(args, grid, cells, device)
+        return run(args, grid, cells, device, fa3, status)
 
 
 if __name__ == "__main__":

@@ -36,17 +36,11 @@ in the system temp directory); --out benchmarks/results updates the committed re
 from __future__ import annotations
 
 import argparse
-import atexit
 import dataclasses
 import functools
-import hashlib
-import importlib
-import lzma
-import shutil
 import sys
 import tempfile
 import time
-import types
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
@@ -55,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from _env import busy_host, commit, environment, resolve_device
+from _fa3 import FA3_DIR_HELP, load_fa3, plan_fa3
 from _report import (
     CHECK_TOLERANCE,
     DTYPES,
@@ -866,62 +861,6 @@ def run_cells(
             release(list(inputs))
 
 
-# --- FlashAttention-3 ------------------------------------------------------------------------
-
-FA3_LIBRARY = "libdew_flash_attn3.so"
-
-
-def _fa3_package(path: Path) -> Path:
-    return path / "dew_flash_attn" if (path / "dew_flash_attn").is_dir() else path
-
-
-def fa3_files_missing(path: Path) -> str:
-    """'' when path holds the carry folder's files, else what is missing."""
-    package = _fa3_package(path)
-    library = package / FA3_LIBRARY
-    if not (package / "__init__.py").is_file():
-        return f"{package}/__init__.py is missing"
-    if not (library.is_file() or library.with_name(FA3_LIBRARY + ".xz").is_file()):
-        return f"{library}[.xz] is missing"
-    return ""
-
-
-def load_fa3(path: Path | None, device: jax.Device | None) -> tuple[Any | None, str]:
-    """FlashAttention-3 (the dew_flash_attn package) from a carry folder: path/dew_flash_attn/
-    (or path itself) holding __init__.py, without the FA2 library's import, and
-    libdew_flash_attn3.so, xz-compressed or not. The library is unpacked into a temporary
-    directory that is removed at exit. Returns (module, what it is) or (None, why not)."""
-    if path is None:
-        return None, "not measured: no --fa3-dir given"
-    missing = fa3_files_missing(path)
-    if missing:
-        return None, f"not measured: {missing}"
-    capability = getattr(device, "compute_capability", None)
-    if device is None or device.platform != "gpu" or capability != "9.0":
-        return None, "not measured: this FlashAttention-3 build runs on sm90 GPUs only"
-    package = _fa3_package(path)
-    library = package / FA3_LIBRARY
-    data = (
-        library.read_bytes()
-        if library.is_file()
-        else lzma.decompress(library.with_name(FA3_LIBRARY + ".xz").read_bytes())
-    )
-    target = Path(tempfile.mkdtemp(prefix="fa3_"))
-    atexit.register(shutil.rmtree, target, ignore_errors=True)
-    (target / "dew_flash_attn").mkdir()
-    shutil.copy(package / "__init__.py", target / "dew_flash_attn" / "__init__.py")
-    (target / "dew_flash_attn" / FA3_LIBRARY).write_bytes(data)
-    sys.path.insert(0, str(target))
-    try:
-        module = importlib.import_module("dew_flash_attn")
-    except Exception as exc:
-        return None, f"not measured: importing dew_flash_attn failed: {short_error(exc)}"
-    finally:
-        sys.path.remove(str(target))
-    digest = hashlib.sha256(data).hexdigest()[:16]
-    return module, f"dew_flash_attn from {path} ({FA3_LIBRARY} sha256 {digest}...)"
-
-
 # --- reporting -------------------------------------------------------------------------------
 
 
@@ -1192,8 +1131,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--fa3-dir",
         type=Path,
-        help="carry folder with dew_flash_attn/__init__.py (FA2 import removed) and "
-        f"{FA3_LIBRARY}.xz: FlashAttention-3 is unpacked and imported from it (sm90 only)",
+        help=FA3_DIR_HELP,
     )
     parser.add_argument(
         "--repeats", type=int, help="timed repeats, the median is reported (default: 5 GPU, 3 CPU)"
@@ -1323,9 +1261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = args.grid or platform_name
     if args.dry_run:
         # Nothing is imported or run: FA3's columns are planned when its files are there.
-        missing = "no --fa3-dir given" if args.fa3_dir is None else fa3_files_missing(args.fa3_dir)
-        fa3 = None if missing else types.SimpleNamespace()
-        status = f"not measured: {missing}" if missing else f"from {args.fa3_dir} (not imported)"
+        fa3, status = plan_fa3(args.fa3_dir)
     else:
         fa3, status = load_fa3(args.fa3_dir, device) if name == "gpu" else (None, "")
         status = status or "not measured on a CPU"
