@@ -79,16 +79,13 @@ struct BwdWgmmaTraits {
   static constexpr int kBlockN = 64 * kConsumerWarpgroups;
   static constexpr int kBlockM = 64;
   static constexpr int kStages = 2;
-  // dQ_i = dS K. With head_dim 128 the two warpgroups split the head dimension (64 columns each)
-  // and reduce over all 128 keys, so each needs the other's dS^T rows. With head_dim 64 a
-  // 32-column split would need sub-panel descriptors, so each warpgroup instead reduces over its
-  // own 64 keys into all 64 columns and both add their partial sums to dq_accum.
-  static constexpr bool kDqSplitD = kD == 64 * kConsumerWarpgroups;
-  static constexpr int kDqKeys = kDqSplitD ? kBlockN : 64;
-  static constexpr int kDqColBase = 64;  // columns of dQ per warpgroup when split
+  // dQ_i = dS K: the two warpgroups split the head dimension (kDqCols columns each) and reduce
+  // over all 128 keys, so each needs the other's dS^T rows, and each dQ element is added to
+  // dq_accum once per key tile.
+  static constexpr int kDqCols = kD / kConsumerWarpgroups;
 
   // Consumers hold dK and dV (kD / 2 registers each), S^T and dP^T (kBlockM / 2 each), dQ
-  // (kBlockM / 2) and the 16-bit P^T, dS^T (kBlockM / 4 each).
+  // (kDqCols / 2) and the 16-bit P^T, dS^T (kBlockM / 4 each).
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
@@ -101,10 +98,10 @@ struct BwdWgmmaTraits {
   static constexpr int kQStageBytes = kQPanelBytes * kPanels;
   // dS^T of one query tile: kBlockN key rows of kBlockM queries (one 128-byte panel).
   static constexpr int kDsBytes = kBlockN * kRowBytes;
-  // dQ_i of one warpgroup (kBlockM queries x 64 head-dim columns, float32) on its way to
-  // dq_accum: two TMA boxes of 32 columns, each kBlockM 128-byte rows with the 128-byte swizzle.
+  // dQ_i of one warpgroup (kBlockM queries x kDqCols head-dim columns, float32) on its way to
+  // dq_accum: TMA boxes of 32 columns, each kBlockM 128-byte rows with the 128-byte swizzle.
   static constexpr int kDqBoxBytes = kBlockM * kRowBytes;
-  static constexpr int kDqBoxes = 2;
+  static constexpr int kDqBoxes = kDqCols / 32;
   static constexpr int kDqWgBytes = kDqBoxBytes * kDqBoxes;
   // Per stage: lse * log2(e), delta and the query segment ids (kBlockM 4-byte values each), then
   // the pair's header (BwdPairHeader).
@@ -133,16 +130,16 @@ struct BwdWgmmaTraits {
   static_assert(kBlockM * 2 == kRowBytes, "dS^T rows must be exactly one swizzle span");
   static_assert(kKVPanelBytes % 1024 == 0 && kQPanelBytes % 1024 == 0 && kDsBytes % 1024 == 0 &&
                 kDqBoxBytes % 1024 == 0);
-  static_assert(kDqBoxes * 32 == 64, "a warpgroup's dQ_i has 64 head-dim columns");
+  static_assert(kDqCols == 64 || kDqCols == 32, "dQ GEMMs are m64n64 or m64n32");
   static_assert(kRowStatBytes % 16 == 0, "headers are read as 16-byte vectors");
   static_assert(kBlockM % kSegmentChunk == 0 && kBlockN % kSegmentChunk == 0);
   static_assert(kSmemBytes <= 227 * 1024);
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWarpgroups <= 65536);
 };
 
-// Named barriers (id 0 is __syncthreads): both consumer warpgroups together (dS^T written with
-// head_dim 128; zeroed rows of a packed sequence's boundary tile), and each consumer warpgroup
-// alone (dS^T written with head_dim 64, dQ_i staged for its TMA reduction; ids 2 and 3).
+// Named barriers (id 0 is __syncthreads): both consumer warpgroups together (dS^T written; zeroed
+// rows of a packed sequence's boundary tile), and each consumer warpgroup alone (dQ_i staged for
+// its TMA reduction, its deterministic turn; ids 2 and 3).
 inline constexpr int kBwdBarConsumers = 1;
 inline constexpr int kBwdBarDsOwnBase = 2;
 
@@ -250,7 +247,9 @@ __device__ __forceinline__ float bwd_tanh_approx(float x) {
 }
 
 // dQ = dS K: A = dS (M = queries) and B = K (N = head_dim) are both MN-major in shared memory
-// (imm-trans-a = imm-trans-b = 1), m64n64k16.
+// (imm-trans-a = imm-trans-b = 1), m64n64k16 or m64n32k16. An n32 B operand starts 64 bytes into
+// a 128-byte swizzled row for the upper half of a 64-column panel, as a K-major operand's
+// k-steps start 32 bytes in: the hardware applies the swizzle to the address it forms.
 #define BW_F8(i)                                                                            \
   "+f"(d[(i) + 0]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), "+f"(d[(i) + 4]), \
       "+f"(d[(i) + 5]), "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
@@ -264,16 +263,35 @@ __device__ __forceinline__ float bwd_tanh_approx(float x) {
       : BW_F8(0), BW_F8(8), BW_F8(16), BW_F8(24)                                                 \
       : "l"(desc_a), "l"(desc_b), "r"(scale_d))
 
-template <typename T>
-__device__ __forceinline__ void wgmma_ss_n64_trans(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
-                                                   uint32_t scale_d) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    BW_WGMMA_TT64("bf16");
+#define BW_WGMMA_TT32(TY)                                                                         \
+  asm volatile(                                                                                   \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                \
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY                                     \
+      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, " \
+      "1, 1, 1;\n}\n"                                                                             \
+      : BW_F8(0), BW_F8(8)                                                                        \
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+
+template <typename T, int kN>
+__device__ __forceinline__ void wgmma_ss_trans(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b,
+                                               uint32_t scale_d) {
+  static_assert(kN == 64 || kN == 32);
+  if constexpr (kN == 64) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      BW_WGMMA_TT64("bf16");
+    } else {
+      BW_WGMMA_TT64("f16");
+    }
   } else {
-    BW_WGMMA_TT64("f16");
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      BW_WGMMA_TT32("bf16");
+    } else {
+      BW_WGMMA_TT32("f16");
+    }
   }
 }
 
+#undef BW_WGMMA_TT32
 #undef BW_WGMMA_TT64
 #undef BW_F8
 
@@ -391,38 +409,34 @@ __device__ __forceinline__ void bwd_dscores(float (&dp)[Tr::kBlockM / 2],
 // dQ_i of one warpgroup added into dq_accum from registers with vector atomics: the path of the
 // deterministic order (semaphores) and of a packed sequence's last tile, whose rows past the
 // sequence are the neighbour's and must get nothing. Accumulator element 4i + 2r + e is (query
-// row 16 warp + g + 8r, column 8i + 2t + e of the warpgroup's 64).
+// row 16 warp + g + 8r, column 8i + 2t + e of the warpgroup's kDqCols).
 template <class Tr>
-__device__ __forceinline__ void bwd_dq_atomics(const float (&dq)[Tr::kBlockM / 2],
+__device__ __forceinline__ void bwd_dq_atomics(const float (&dq)[Tr::kDqCols / 2],
                                                int64_t dq_offset, int rows, int m0, int cw,
                                                int ctid, const BwdCtaTile* cta_tile,
                                                const BwdWgmmaArgs& args) {
   constexpr int kD = Tr::kD;
   const int dq_lane = ctid % 32;
   // Deterministic: this warpgroup's turn at the tile comes after every higher key tile that
-  // visits it. With the head dimension split the warpgroups add to disjoint columns, each half
-  // with its own counter; otherwise both add to every column, warpgroup 0 first.
-  int32_t* const sem =
-      args.dq_semaphores != nullptr
-          ? args.dq_semaphores + dq_offset / kD * kDqCounters + (Tr::kDqSplitD ? cw : 0)
-          : nullptr;
+  // visits it. The warpgroups add to disjoint columns, each half with its own counter.
+  int32_t* const sem = args.dq_semaphores != nullptr
+                           ? args.dq_semaphores + dq_offset / kD * kDqCounters + cw
+                           : nullptr;
   if (sem != nullptr) {
     if (ctid % 128 == 0) {
-      const int ticket = dq_ticket(cta_tile->mask, m0, rows, cta_tile->n0, Tr::kBlockN);
-      dq_wait_turn(sem, Tr::kDqSplitD ? ticket : Tr::kConsumerWarpgroups * ticket + cw);
+      dq_wait_turn(sem, dq_ticket(cta_tile->mask, m0, rows, cta_tile->n0, Tr::kBlockN));
     }
     named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
   }
   // Rows past the sequence get nothing.
-  float* const dq_head = args.dq_accum + dq_offset +
-                         (Tr::kDqSplitD ? (ctid / 128) * Tr::kDqColBase : 0) + 2 * (dq_lane % 4);
+  float* const dq_head = args.dq_accum + dq_offset + (ctid / 128) * Tr::kDqCols + 2 * (dq_lane % 4);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int q = (ctid % 128) / 32 * 16 + dq_lane / 4 + 8 * r;
     if (q < rows) {
       float* const dq_row = dq_head + static_cast<int64_t>(q) * args.heads_q * kD;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
+      for (int i = 0; i < Tr::kDqCols / 8; ++i) {
         tc::red_add_f32x2(dq_row + 8 * i, dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
       }
     }
@@ -653,24 +667,26 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   if (n_iters > 0) {
     float s[kBlockM / 2];
     float dp[kBlockM / 2];
-    float dq[kBlockM / 2];
+    float dq[Tr::kDqCols / 2];
 #pragma unroll
     for (int i = 0; i < kBlockM / 2; ++i) {
       s[i] = 0.f;
       dp[i] = 0.f;
-      dq[i] = 0.f;
     }
+#pragma unroll
+    for (int i = 0; i < Tr::kDqCols / 2; ++i) dq[i] = 0.f;
     uint32_t p[kBlockM / 16][4];
     uint32_t ds[kBlockM / 16][4];
 
     // A operands of S^T and dP^T: this warpgroup's 64 rows of K and V, K-major.
     const uint64_t k_desc = smem_desc_sw128(k_smem + cw * 64 * Tr::kRowBytes, 16);
     const uint64_t v_desc = smem_desc_sw128(v_smem + cw * 64 * Tr::kRowBytes, 16);
-    // B operand of dQ, MN-major: head-dim panel cw of K (this warpgroup's 64 dQ columns) or,
-    // with head_dim 64, this warpgroup's 64 key rows of the single panel.
-    const uint64_t k_mn_desc =
-        Tr::kDqSplitD ? smem_desc_sw128(k_smem + cw * Tr::kKVPanelBytes, Tr::kKVPanelBytes)
-                      : smem_desc_sw128(k_smem + cw * 64 * Tr::kRowBytes, Tr::kKVPanelBytes);
+    // B operand of dQ, MN-major: this warpgroup's kDqCols head-dim columns of K, i.e. panel cw
+    // with head_dim 128, or half cw of the single panel with head_dim 64.
+    constexpr int kDqColBytes = Tr::kDqCols * 2;
+    const uint64_t k_mn_desc = smem_desc_sw128(
+        k_smem + cw * kDqColBytes / Tr::kRowBytes * Tr::kKVPanelBytes + cw * kDqColBytes % 128,
+        Tr::kKVPanelBytes);
 
     mbar_wait(bar_kv, 0);
     // K rows past a packed sequence are its neighbour's and would enter dQ = dS K (0 * NaN is
@@ -764,25 +780,19 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // The warpgroup's dQ staging buffer is rewritten below: its previous TMA reduction must
       // have read it (the barrier passes that on to the other threads).
       if (tid == 0) tma_wait_read();
-      if constexpr (Tr::kDqSplitD) {
-        named_barrier_sync(kBwdBarConsumers, 128 * Tr::kConsumerWarpgroups);
-      } else if (cw == 0) {
-        named_barrier_sync(kBwdBarDsOwnBase, 128);
-      } else {
-        named_barrier_sync(kBwdBarDsOwnBase + 1, 128);
-      }
+      named_barrier_sync(kBwdBarConsumers, 128 * Tr::kConsumerWarpgroups);
 
-      // dQ_i (64 queries x 64 head-dim columns) = dS K over kDqKeys keys: A = dS^T read as
+      // dQ_i (64 queries x kDqCols head-dim columns) = dS K over the 128 keys: A = dS^T read as
       // MN-major dS, B = K MN-major; both advance 16 key rows per wgmma. Then dK += dS^T Q (Q as
       // the MN-major B operand), which runs while dQ_i leaves.
-      const uint64_t ds_desc = smem_desc_sw128(
-          ds_smem + buf * Tr::kDsBytes + (Tr::kDqSplitD ? 0 : cw * 64 * Tr::kRowBytes),
-          static_cast<uint32_t>(Tr::kDsBytes));
+      const uint64_t ds_desc =
+          smem_desc_sw128(ds_smem + buf * Tr::kDsBytes, static_cast<uint32_t>(Tr::kDsBytes));
       wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < Tr::kDqKeys / 16; ++k) {
-        wgmma_ss_n64_trans<T>(dq, desc_advance(ds_desc, k * 16 * Tr::kRowBytes),
-                              desc_advance(k_mn_desc, k * 16 * Tr::kRowBytes), k > 0 ? 1u : 0u);
+      for (int k = 0; k < kBlockN / 16; ++k) {
+        wgmma_ss_trans<T, Tr::kDqCols>(dq, desc_advance(ds_desc, k * 16 * Tr::kRowBytes),
+                                       desc_advance(k_mn_desc, k * 16 * Tr::kRowBytes),
+                                       k > 0 ? 1u : 0u);
       }
       wgmma_commit();
       wgmma_rs_mn<kD, kBlockM / 16, T>(dk, ds, q_mn_desc);
@@ -800,7 +810,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const int ctid = fresh_thread_index() - 128;
       const int dq_lane = ctid % 32;
       // dq accumulator element 4i + 2r + e is (query row 16 warp + g + 8r, column 8i + 2t + e of
-      // the warpgroup's 64: 64 cw + 8i + 2t + e of the head when split).
+      // the warpgroup's kDqCols: kDqCols cw + 8i + 2t + e of the head).
       if (args.dq_semaphores == nullptr && (flags & kPairZeroRows) == 0) {
         // Staged for a TMA reduction: box i / 4, 128-byte row q, 16-byte chunk 2 (i % 4) + t / 2
         // swizzled by q % 8 = g, 8 bytes in. Rows past a dense sequence are clipped by the map;
@@ -812,7 +822,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         for (int r = 0; r < 2; ++r) {
           const int q = (ctid % 128) / 32 * 16 + qg + 8 * r;
 #pragma unroll
-          for (int i = 0; i < 8; ++i) {
+          for (int i = 0; i < Tr::kDqCols / 8; ++i) {
             const int chunk = (2 * (i % 4) + qt / 2) ^ qg;
             *reinterpret_cast<float2*>(stage_dq + (i / 4) * Tr::kDqBoxBytes + q * Tr::kRowBytes +
                                        chunk * 16 + (qt % 2) * 8) =
@@ -823,7 +833,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
         if (ctid % 128 == 0) {
           const uint32_t src = tc::smem_addr(stage_dq);
-          const int col = Tr::kDqSplitD ? (ctid / 128) * Tr::kDqColBase : 0;
+          const int col = (ctid / 128) * Tr::kDqCols;
           const int row = static_cast<int>((varlen ? cta_tile->span.q_start : 0) + m0);
           const int batch = varlen ? 0 : static_cast<int>(cta_tile->span.seq);
 #pragma unroll
