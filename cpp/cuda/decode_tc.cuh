@@ -113,14 +113,15 @@ struct TcArgs {
 };
 
 // Whether a split pass merges its own splits. The last block of each group reads all of the
-// group's partial O rows through one SM (~100+ GB/s from L2), so a group of up to 64 KB of
-// partials (Sq = 1 at GQA 4, d128, 32 splits: ~0.5 us) merges faster in the grid's tail than a
-// second kernel would start; larger groups go to the merge pass, which spreads them over a block
-// per row. The split weights and sinks, (num_splits + 1) per row, must fit the ring.
+// group's partial O rows through one SM (~100+ GB/s from L2), so a group of up to 128 KB of
+// partials (Sq = 1 at GQA 4, d128, up to 64 splits: ~1 us) merges faster in the grid's tail than
+// a second kernel would start and drain; larger groups (Sq = 4 at 32 splits: 256 KB) go to the
+// merge pass, which spreads them over a block per row. The split weights and sinks,
+// (num_splits + 1) per row, must fit the ring.
 template <typename Tr>
 bool fused_merge_pays(int64_t num_splits, int rows, int64_t head_dim) {
   const int64_t group_rows = rows < Tr::kBlockM ? rows : Tr::kBlockM;
-  return num_splits > 1 && group_rows * num_splits * head_dim * 4 <= 64 * 1024 &&
+  return num_splits > 1 && group_rows * num_splits * head_dim * 4 <= 128 * 1024 &&
          group_rows * (num_splits + 1) * 4 <= Tr::kRingBytes;
 }
 
