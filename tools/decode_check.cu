@@ -8,6 +8,10 @@
 //      build/decode_check --bench    the bandwidth table (bf16, GQA 32/8, head_dim 128)
 //      JAX_FLASH_DECODE_TILES=compact build/decode_check   the same cases on the compact tiles
 //                                    (the configuration GPUs with < 227 KB smem per block get)
+//      JAX_FLASH_DECODE_KERNEL=heads-always build/decode_check   the same cases on
+//                                    decode_heads.cuh wherever it applies
+//      JAX_FLASH_DECODE_KERNEL=heads build/decode_check --bench   the table with decode_heads.cuh
+//                                    where its split rule fills the device
 //      compute-sanitizer --tool memcheck build/decode_check   (racecheck / synccheck likewise)
 //
 // Correctness: random problems built on the host, run through decode_fwd, compared with a float64
@@ -692,9 +696,38 @@ std::vector<Case> cases() {
     c.splits = every;
     add(c);
   }
-  // More splits than the fused merge keeps weights for in the ring (d64 x 32 rows: 720 on the
-  // full tiles, 288 on the compact ones): the separate merge pass. 300 splits exercise the fused
-  // merge on the full tiles and the merge pass on the compact ones.
+  // decode_heads.cuh's shapes (head_dim 128, <= 16 packed rows, whole groups of 8 KV heads):
+  // sinks and softcap, and two head groups.
+  add({"bf16 gqa16/8 d128 sq2 window cap sink paged16",
+       DType::kBF16,
+       3,
+       2,
+       16,
+       8,
+       128,
+       800,
+       16,
+       {800, 0, 250},
+       300,
+       0,
+       0,
+       true,
+       3.0,
+       true});
+  add({"f16 gqa32/16 d128 sq4 causal",
+       DType::kF16,
+       2,
+       4,
+       32,
+       16,
+       128,
+       600,
+       0,
+       {600, 45},
+       kInfB,
+       0});
+  // Hundreds of splits (a group's partials far beyond the fused merge's 128 KB): the merge pass,
+  // with most splits empty.
   {
     Case c{"bf16 mqa32/1 d64 sq1 many splits paged16",
            DType::kBF16,
@@ -825,6 +858,15 @@ int64_t recommended_splits(int64_t batch, int64_t heads_kv, int64_t rows, int64_
   const int64_t slots = static_cast<int64_t>(sms) * (head_dim > 128 ? 1 : 2);
   const int64_t want = slots / (batch * heads_kv * m_blocks);
   const int64_t cap = std::max<int64_t>(1, (keys + 255) / 256);
+  // JAX_FLASH_DECODE_KERNEL=heads (cpp/cuda/decode_heads.cuh): one block per SM per (sequence,
+  // 8 KV heads, split), where that fills 3/4 of the SMs; the rule of _decode.choose_num_splits.
+  const char* kernel = std::getenv("JAX_FLASH_DECODE_KERNEL");
+  if (kernel != nullptr && std::strncmp(kernel, "heads", 5) == 0 && head_dim == 128 && rows <= 16 &&
+      heads_kv % 8 == 0) {
+    const int64_t groups = batch * heads_kv / 8;
+    const int64_t heads_splits = std::clamp<int64_t>(sms / groups, 1, std::min<int64_t>(cap, 64));
+    if (4 * groups * heads_splits >= 3 * sms) return heads_splits;
+  }
   return std::clamp<int64_t>(want, 1, cap);
 }
 

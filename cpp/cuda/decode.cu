@@ -26,6 +26,7 @@
 #include <cstring>
 
 #include "cuda/decode.h"
+#include "cuda/decode_heads.cuh"
 #include "cuda/decode_merge.cuh"
 #include "cuda/decode_simt.cuh"
 #include "cuda/decode_tc.cuh"
@@ -97,6 +98,42 @@ cudaError_t run_tc_dim(const DecodeParams& p, const TcArgs& args, cudaStream_t s
   }
 }
 
+// JAX_FLASH_DECODE_KERNEL=heads runs decode_heads.cuh's kernel (a block per 8 KV heads) where
+// it applies and the call's split count fills the device with it (at least 3/4 of the SMs, which
+// _decode.choose_num_splits aims for under the same variable); =heads-always wherever it applies,
+// so that tools/decode_check.cu tests it at every split count. Read once per process.
+enum class HeadsMode { kOff, kFill, kAlways };
+HeadsMode heads_mode() {
+  static const HeadsMode mode = [] {
+    const char* value = std::getenv("JAX_FLASH_DECODE_KERNEL");
+    if (value == nullptr) return HeadsMode::kOff;
+    if (std::strcmp(value, "heads") == 0) return HeadsMode::kFill;
+    if (std::strcmp(value, "heads-always") == 0) return HeadsMode::kAlways;
+    return HeadsMode::kOff;
+  }();
+  return mode;
+}
+
+// Whether the call runs on decode_heads.cuh: three attribute reads, no synchronisation.
+cudaError_t use_heads_kernel(const DecodeParams& p, int rows, bool& use) {
+  use = false;
+  const HeadsMode mode = heads_mode();
+  if (mode == HeadsMode::kOff) return cudaSuccess;
+  int device = 0, smem_optin = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  }
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  }
+  if (err != cudaSuccess) return err;
+  if (!decode::heads_kernel_applies(p, rows, smem_optin)) return cudaSuccess;
+  const int64_t blocks = p.batch * (p.heads_kv / decode::HeadsTraits::kHeads) * p.num_splits;
+  use = mode == HeadsMode::kAlways || 4 * blocks >= 3 * static_cast<int64_t>(sms);
+  return cudaSuccess;
+}
+
 template <typename T>
 cudaError_t run_tc(const DecodeParams& p, cudaStream_t stream, bool& fused) {
   if (p.head_dim % 8 != 0) return cudaErrorNotSupported;  // 16-byte rows; the caller pads
@@ -114,6 +151,14 @@ cudaError_t run_tc(const DecodeParams& p, cudaStream_t stream, bool& fused) {
   if (group * p.seqlen_q > INT_MAX - 64) return cudaErrorInvalidValue;
   args.group = static_cast<int>(group);
   args.rows = static_cast<int>(group * p.seqlen_q);
+  bool heads = false;
+  if (const cudaError_t err = use_heads_kernel(p, args.rows, heads); err != cudaSuccess) {
+    return err;
+  }
+  if (heads) {
+    return p.paged() ? decode::launch_heads<T, true>(p, args, stream)
+                     : decode::launch_heads<T, false>(p, args, stream);
+  }
   if (p.head_dim <= 64) return run_tc_dim<T, 64>(p, args, stream, fused);
   if (p.head_dim <= 128) return run_tc_dim<T, 128>(p, args, stream, fused);
   return run_tc_dim<T, 256>(p, args, stream, fused);
