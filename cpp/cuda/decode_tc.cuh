@@ -196,6 +196,25 @@ __device__ void decode_fused_merge(const DecodeParams& p, const TcArgs& a, int64
   __syncthreads();
   if (!last) return;
 
+  // The O rows do not depend on the weights: each thread's first kFusedMergeLoads splits of its
+  // first (row, 4 columns) are in flight while the lse values are read and weighed.
+  const float* part_o = static_cast<const float*>(p.partial_o);
+  const int chunks = static_cast<int>(p.head_dim) / 4;
+  const int items = n_rows * chunks;
+  const int64_t o_split_stride = split_stride * p.head_dim;
+  float4 v[kFusedMergeLoads];
+  auto load_o = [&](int x, int s0) {
+    const int rl = x / chunks;
+    const float* src = part_o + part_index(r0 + rl) * p.head_dim + (x - rl * chunks) * 4;
+#pragma unroll
+    for (int u = 0; u < kFusedMergeLoads; ++u) {
+      v[u] = s0 + u < n_splits
+                 ? __ldcg(reinterpret_cast<const float4*>(src + (s0 + u) * o_split_stride))
+                 : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  };
+  if (tid < items) load_o(tid, 0);
+
   // weights[rl][s]: first lse_s, then exp(lse_s - lse); sinks[rl] after them. __ldcg reads at
   // L2, where the other blocks' stores are.
   float* weights = smem;
@@ -235,24 +254,14 @@ __device__ void decode_fused_merge(const DecodeParams& p, const TcArgs& a, int64
   __syncthreads();
 
   // A thread per (row, 4 columns).
-  const float* part_o = static_cast<const float*>(p.partial_o);
-  const int chunks = static_cast<int>(p.head_dim) / 4;
-  const int64_t o_split_stride = split_stride * p.head_dim;
-  for (int x = tid; x < n_rows * chunks; x += kNThreads) {
+  for (int x = tid; x < items; x += kNThreads) {
     const int rl = x / chunks;
-    const int ch = x % chunks;
     const int r = r0 + rl;
-    const float* src = part_o + part_index(r) * p.head_dim + ch * 4;
+    const int ch = x - rl * chunks;
     const float* w = weights + rl * n_splits;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int s0 = 0; s0 < n_splits; s0 += kFusedMergeLoads) {
-      float4 v[kFusedMergeLoads];
-#pragma unroll
-      for (int u = 0; u < kFusedMergeLoads; ++u) {
-        v[u] = s0 + u < n_splits
-                   ? __ldcg(reinterpret_cast<const float4*>(src + (s0 + u) * o_split_stride))
-                   : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
+      if (s0 > 0 || x != tid) load_o(x, s0);
 #pragma unroll
       for (int u = 0; u < kFusedMergeLoads; ++u) {
         const float ws = s0 + u < n_splits ? w[s0 + u] : 0.f;
