@@ -191,13 +191,16 @@ __global__ void __launch_bounds__(HeadsTraits::kNThreads, 1)
   const uint32_t k_lane_off = (lane % 8 + (lane / 16) * 8) * kPitch + ((lane / 8) % 2) * 16;
 
   // Q fragments in registers: the first loop iteration's copy overwrites the Q stage only after
-  // the barrier that every warp reaches with its fragments loaded.
+  // the barrier that every warp reaches with its fragments loaded. A block without tiles copied
+  // no Q and reads none.
   uint32_t qa[Tr::kQKSteps][4];
   tc::cp_async_wait<kStages - 1>();
   __syncthreads();
+  if (n_tiles > 0) {
 #pragma unroll
-  for (int kk = 0; kk < Tr::kQKSteps; ++kk) {
-    tc::ldmatrix_x4(qa[kk], q_stage + warp * Tr::kHeadTile + qv_lane_off + kk * 32);
+    for (int kk = 0; kk < Tr::kQKSteps; ++kk) {
+      tc::ldmatrix_x4(qa[kk], q_stage + warp * Tr::kHeadTile + qv_lane_off + kk * 32);
+    }
   }
 
   float acc_o[Tr::kOTiles][4];
