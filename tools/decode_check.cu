@@ -29,7 +29,7 @@
 // 2e-2 / 1e-2, f32 1e-5 / 1e-5, f64 1e-12 / 1e-12; a -inf lse must be -inf exactly.
 //
 // Bench: GB/s = (bytes of K and V actually read (visible keys of each sequence) + q + o) / time;
-// time is the mean of 50 back-to-back decode_fwd calls (split and merge passes) after 5 warm-ups,
+// time is the mean of 50 back-to-back decode_fwd calls (every kernel of a call) after 5 warm-ups,
 // rotating over enough copies of the cache that it never sits in L2.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -990,7 +990,7 @@ void bench() {
       }
     }
   }
-  std::printf("(* = recommended_splits; the merge pass is included in every time)\n");
+  std::printf("(* = recommended_splits; every time includes the merge, fused or a pass)\n");
 }
 
 }  // namespace
