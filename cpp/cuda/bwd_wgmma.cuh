@@ -78,7 +78,9 @@ struct BwdWgmmaTraits {
   // Keys per CTA (64 per consumer warpgroup: the M extent of one wgmma) and queries per tile.
   static constexpr int kBlockN = 64 * kConsumerWarpgroups;
   static constexpr int kBlockM = 64;
-  static constexpr int kStages = 2;
+  // Q / dO stages: a third fits beside the head_dim-64 tiles, and gives the producer a whole
+  // extra pair's time to refill a stage; head_dim 128 has room for two.
+  static constexpr int kStages = kD == 64 ? 3 : 2;
   // dQ_i = dS K: the two warpgroups split the head dimension (kDqCols columns each) and reduce
   // over all 128 keys, so each needs the other's dS^T rows, and each dQ element is added to
   // dq_accum once per key tile.
@@ -505,8 +507,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // keys' segment ids.
     mbar_init(bar_kv, 32);
     for (int s = 0; s < kStages; ++s) {
-      // The 32 lanes of the producer warp arrive after writing lse / delta; lane 0's arrival
-      // also carries the TMA byte count.
+      // The 32 lanes of the producer warp arrive after writing lse / delta (lane 0 has
+      // announced the TMA byte count before).
       mbar_init(bar_full(s), 32);
       // Released by every consumer thread once its GEMMs and its own lse / delta reads are done
       // with the stage: each thread's arrival orders its own shared-memory reads before the
@@ -597,6 +599,26 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
         const int stage = slot % kStages;
         if (slot >= kStages) mbar_wait(bar_empty(stage), ((slot / kStages) + 1) & 1);
+        // Q and dO first: their TMA latency then overlaps the lse / delta loads below. Lane 0
+        // announces the bytes without arriving, so the stage completes only after its own stat
+        // and header writes too.
+        if (lane == 0) {
+          BwdPairHeader* const h = stage_header(stage);
+          h->dq_offset = ((ct.span.q_start + m0) * args.heads_q + head) * int64_t{kD};
+          h->rows = rows;
+          h->flags = flags;
+          h->mask = ct.mask.tile(m0, ct.n0);
+          h->m0 = m0;
+          h->head = head;
+          mbar_expect_tx(bar_full(stage), 2 * Tr::kQStageBytes);
+#pragma unroll
+          for (int p = 0; p < Tr::kPanels; ++p) {
+            tma_load_4d(q_smem + stage * Tr::kQStageBytes + p * Tr::kQPanelBytes, &tm_q,
+                        bar_full(stage), p * Tr::kPanelCols, head, q_row0() + m0, tma_batch());
+            tma_load_4d(do_smem + stage * Tr::kQStageBytes + p * Tr::kQPanelBytes, &tm_do,
+                        bar_full(stage), p * Tr::kPanelCols, head, q_row0() + m0, tma_batch());
+          }
+        }
         // Rows past the sequence and rows that saw no key (lse = -inf) get +inf, which makes
         // P = 2^(s - inf) = 0 exactly; their delta is 0.
         float* const lse_s = stage_lse(stage);
@@ -618,25 +640,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 r < rows ? args.segments.q_ids[ct.span.batch * args.seg_stride_q + m0 + r] : 0;
           }
         }
-        if (lane == 0) {
-          BwdPairHeader* const h = stage_header(stage);
-          h->dq_offset = ((ct.span.q_start + m0) * args.heads_q + head) * int64_t{kD};
-          h->rows = rows;
-          h->flags = flags;
-          h->mask = ct.mask.tile(m0, ct.n0);
-          h->m0 = m0;
-          h->head = head;
-          mbar_arrive_expect_tx(bar_full(stage), 2 * Tr::kQStageBytes);
-#pragma unroll
-          for (int p = 0; p < Tr::kPanels; ++p) {
-            tma_load_4d(q_smem + stage * Tr::kQStageBytes + p * Tr::kQPanelBytes, &tm_q,
-                        bar_full(stage), p * Tr::kPanelCols, head, q_row0() + m0, tma_batch());
-            tma_load_4d(do_smem + stage * Tr::kQStageBytes + p * Tr::kQPanelBytes, &tm_do,
-                        bar_full(stage), p * Tr::kPanelCols, head, q_row0() + m0, tma_batch());
-          }
-        } else {
-          mbar_arrive(bar_full(stage));
-        }
+        mbar_arrive(bar_full(stage));
         ++slot;
       }
     }
