@@ -66,9 +66,6 @@ def choose_num_splits(
     with at least 512 keys per piece."""
     tasks = max(1, batch * heads_kv)
     if platform == "cuda":
-        heads = _heads_kernel_splits(batch, heads_kv, max_keys, workers, rows, head_dim, half)
-        if heads is not None:
-            return heads
         if half:
             wide = head_dim > 128
             row_blocks = 1 if rows <= 16 else math.ceil(rows / (16 if wide else 32))
@@ -84,25 +81,6 @@ def choose_num_splits(
     else:
         raise ValueError(f"choose_num_splits: platform must be 'cpu' or 'cuda', got {platform!r}")
     return max(1, min(int(splits), MAX_SPLITS))
-
-
-# JAX_FLASH_DECODE_KERNEL=heads (opt-in, cpp/cuda/decode_heads.cuh): half precision at head_dim
-# 128 with <= 16 rows and whole groups of 8 KV heads runs one block per SM per (sequence, 8 KV
-# heads, split). The launcher takes that kernel when the split count fills 3/4 of the SMs with it.
-HEADS_PER_BLOCK = 8
-
-
-def _heads_kernel_splits(batch, heads_kv, max_keys, workers, rows, head_dim, half) -> int | None:
-    """The split count for the heads kernel where it is enabled, applies and fills the device
-    (``splits = floor(workers / (batch * heads_kv / 8))``, at most ``ceil(max_keys / 256)`` and
-    MAX_SPLITS); None where the default kernel's rule stands."""
-    if os.environ.get("JAX_FLASH_DECODE_KERNEL") not in ("heads", "heads-always"):
-        return None
-    if not half or head_dim != 128 or rows > 16 or heads_kv % HEADS_PER_BLOCK != 0:
-        return None
-    groups = max(1, batch * heads_kv // HEADS_PER_BLOCK)
-    splits = max(1, min(workers // groups, math.ceil(max_keys / CUDA_KEYS_PER_SPLIT), MAX_SPLITS))
-    return splits if 4 * groups * splits >= 3 * workers else None
 
 
 @functools.cache

@@ -482,24 +482,6 @@ def test_choose_num_splits():
         choose(1, 1, 1, platform="tpu", workers=1)
 
 
-def test_choose_num_splits_heads_kernel(monkeypatch):
-    # JAX_FLASH_DECODE_KERNEL=heads: one block per SM per (sequence, 8 KV heads, split) where that
-    # fills 3/4 of the SMs, else the default rule.
-    choose = _decode.choose_num_splits
-    monkeypatch.setenv("JAX_FLASH_DECODE_KERNEL", "heads")
-    assert choose(8, 8, 65536, platform="cuda", workers=132, rows=4) == 16
-    assert choose(32, 8, 65536, platform="cuda", workers=132, rows=4) == 4
-    assert choose(2, 8, 65536, platform="cuda", workers=132, rows=4) == 64
-    # Too few (sequence, head group) pairs to fill the device within 64 splits: the default.
-    assert choose(1, 8, 65536, platform="cuda", workers=132, rows=4) == 33
-    assert choose(1, 8, 8192, platform="cuda", workers=132, rows=4) == 32
-    # Outside the heads kernel's shapes: the default.
-    assert choose(8, 8, 65536, platform="cuda", workers=132, rows=32) == 4
-    assert choose(8, 8, 65536, platform="cuda", workers=132, rows=4, head_dim=64) == 4
-    assert choose(8, 4, 65536, platform="cuda", workers=132, rows=4) == 8
-    assert choose(8, 8, 65536, platform="cuda", workers=132, rows=4, half=False) == 17
-
-
 def test_host_split_choice_is_used(rng):
     # Under the host's choice (several splits here: one sequence, one kv head, 4k keys) the
     # result matches the reference.

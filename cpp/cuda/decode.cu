@@ -10,12 +10,7 @@
 //   f32/f64:  splits = clamp(ceil(32 * sm_count / (batch * heads_q * seqlen_q)), 1,
 //                            ceil(max_keys / 128))
 // (floor, not ceil, for f16/bf16: 4 splits x 64 sequence-heads fill 264 slots, 5 would run a
-// second wave for 56 blocks.) num_splits = 1 needs no partials and no merge pass. For f16/bf16
-// the split pass merges its own splits (the last block of each group, decode_tc.cuh) where a
-// group's partials are small (decode::fused_merge_pays): one kernel instead of two, with no wait
-// for the whole grid to drain before the merge; it is preceded by a small zeroing of its
-// counters, which it overlaps through a programmatic dependent launch. Otherwise, and for
-// f32/f64, a merge pass.
+// second wave for 56 blocks.) num_splits = 1 needs no partials and no merge pass.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -26,7 +21,6 @@
 #include <cstring>
 
 #include "cuda/decode.h"
-#include "cuda/decode_heads.cuh"
 #include "cuda/decode_merge.cuh"
 #include "cuda/decode_simt.cuh"
 #include "cuda/decode_tc.cuh"
@@ -42,10 +36,8 @@ using decode::TcTraits;
 constexpr int64_t kMaxPositions = INT_MAX - 1024;
 
 template <typename Tr>
-cudaError_t launch_rows(const DecodeParams& p, TcArgs args, cudaStream_t stream, bool& fused) {
+cudaError_t launch_rows(const DecodeParams& p, TcArgs args, cudaStream_t stream) {
   args.m_blocks = (args.rows + Tr::kBlockM - 1) / Tr::kBlockM;
-  args.fused_merge = decode::fused_merge_pays<Tr>(p.num_splits, args.rows, p.head_dim);
-  fused = args.fused_merge;
   const int64_t blocks = p.batch * p.heads_kv * p.num_splits * args.m_blocks;
   if (blocks > INT_MAX) return cudaErrorInvalidValue;
   return p.paged() ? decode::launch_tc<Tr, true>(p, args, blocks, stream)
@@ -66,8 +58,7 @@ bool compact_tiles_forced() {
 // head_dim 64 every sm_80+ part), the compact ones elsewhere. Two attribute reads, no
 // synchronisation.
 template <typename T, int kHeadDim, int kMTiles>
-cudaError_t run_tc_rows(const DecodeParams& p, const TcArgs& args, cudaStream_t stream,
-                        bool& fused) {
+cudaError_t run_tc_rows(const DecodeParams& p, const TcArgs& args, cudaStream_t stream) {
   using Full = TcTraits<T, kHeadDim, kMTiles, false>;
   using Compact = TcTraits<T, kHeadDim, kMTiles, true>;
   int device = 0;
@@ -78,9 +69,9 @@ cudaError_t run_tc_rows(const DecodeParams& p, const TcArgs& args, cudaStream_t 
   }
   if (err != cudaSuccess) return err;
   if (Full::kSmemBytes <= smem_optin && !compact_tiles_forced()) {
-    return launch_rows<Full>(p, args, stream, fused);
+    return launch_rows<Full>(p, args, stream);
   }
-  if (Compact::kSmemBytes <= smem_optin) return launch_rows<Compact>(p, args, stream, fused);
+  if (Compact::kSmemBytes <= smem_optin) return launch_rows<Compact>(p, args, stream);
   return cudaErrorNotSupported;
 }
 
@@ -88,54 +79,17 @@ cudaError_t run_tc_rows(const DecodeParams& p, const TcArgs& args, cudaStream_t 
 // common decode), else two, which halves the K/V re-reads of the extra row blocks; at padded
 // head_dim 256 two tiles of O would not fit the registers.
 template <typename T, int kHeadDim>
-cudaError_t run_tc_dim(const DecodeParams& p, const TcArgs& args, cudaStream_t stream,
-                       bool& fused) {
+cudaError_t run_tc_dim(const DecodeParams& p, const TcArgs& args, cudaStream_t stream) {
   if constexpr (kHeadDim == 256) {
-    return run_tc_rows<T, kHeadDim, 1>(p, args, stream, fused);
+    return run_tc_rows<T, kHeadDim, 1>(p, args, stream);
   } else {
-    if (args.rows <= 16) return run_tc_rows<T, kHeadDim, 1>(p, args, stream, fused);
-    return run_tc_rows<T, kHeadDim, 2>(p, args, stream, fused);
+    if (args.rows <= 16) return run_tc_rows<T, kHeadDim, 1>(p, args, stream);
+    return run_tc_rows<T, kHeadDim, 2>(p, args, stream);
   }
-}
-
-// JAX_FLASH_DECODE_KERNEL=heads runs decode_heads.cuh's kernel (a block per 8 KV heads) where
-// it applies and the call's split count fills the device with it (at least 3/4 of the SMs, which
-// _decode.choose_num_splits aims for under the same variable); =heads-always wherever it applies,
-// so that tools/decode_check.cu tests it at every split count. Read once per process.
-enum class HeadsMode { kOff, kFill, kAlways };
-HeadsMode heads_mode() {
-  static const HeadsMode mode = [] {
-    const char* value = std::getenv("JAX_FLASH_DECODE_KERNEL");
-    if (value == nullptr) return HeadsMode::kOff;
-    if (std::strcmp(value, "heads") == 0) return HeadsMode::kFill;
-    if (std::strcmp(value, "heads-always") == 0) return HeadsMode::kAlways;
-    return HeadsMode::kOff;
-  }();
-  return mode;
-}
-
-// Whether the call runs on decode_heads.cuh: three attribute reads, no synchronisation.
-cudaError_t use_heads_kernel(const DecodeParams& p, int rows, bool& use) {
-  use = false;
-  const HeadsMode mode = heads_mode();
-  if (mode == HeadsMode::kOff) return cudaSuccess;
-  int device = 0, smem_optin = 0, sms = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) {
-    err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  }
-  if (err == cudaSuccess) {
-    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  }
-  if (err != cudaSuccess) return err;
-  if (!decode::heads_kernel_applies(p, rows, smem_optin)) return cudaSuccess;
-  const int64_t blocks = p.batch * (p.heads_kv / decode::HeadsTraits::kHeads) * p.num_splits;
-  use = mode == HeadsMode::kAlways || 4 * blocks >= 3 * static_cast<int64_t>(sms);
-  return cudaSuccess;
 }
 
 template <typename T>
-cudaError_t run_tc(const DecodeParams& p, cudaStream_t stream, bool& fused) {
+cudaError_t run_tc(const DecodeParams& p, cudaStream_t stream) {
   if (p.head_dim % 8 != 0) return cudaErrorNotSupported;  // 16-byte rows; the caller pads
   constexpr double kLog2e = 1.4426950408889634;
   TcArgs args{};
@@ -151,17 +105,9 @@ cudaError_t run_tc(const DecodeParams& p, cudaStream_t stream, bool& fused) {
   if (group * p.seqlen_q > INT_MAX - 64) return cudaErrorInvalidValue;
   args.group = static_cast<int>(group);
   args.rows = static_cast<int>(group * p.seqlen_q);
-  bool heads = false;
-  if (const cudaError_t err = use_heads_kernel(p, args.rows, heads); err != cudaSuccess) {
-    return err;
-  }
-  if (heads) {
-    return p.paged() ? decode::launch_heads<T, true>(p, args, stream)
-                     : decode::launch_heads<T, false>(p, args, stream);
-  }
-  if (p.head_dim <= 64) return run_tc_dim<T, 64>(p, args, stream, fused);
-  if (p.head_dim <= 128) return run_tc_dim<T, 128>(p, args, stream, fused);
-  return run_tc_dim<T, 256>(p, args, stream, fused);
+  if (p.head_dim <= 64) return run_tc_dim<T, 64>(p, args, stream);
+  if (p.head_dim <= 128) return run_tc_dim<T, 128>(p, args, stream);
+  return run_tc_dim<T, 256>(p, args, stream);
 }
 
 template <typename T>
@@ -191,13 +137,12 @@ cudaError_t run_merge(const DecodeParams& p, cudaStream_t stream) {
 template <typename T, typename S>
 cudaError_t run_split_and_merge(const DecodeParams& p, cudaStream_t stream) {
   cudaError_t err;
-  bool fused = false;  // the split pass merged its own splits
   if constexpr (sizeof(T) == 2) {
-    err = run_tc<T>(p, stream, fused);
+    err = run_tc<T>(p, stream);
   } else {
     err = run_simt<T>(p, stream);
   }
-  if (err != cudaSuccess || p.num_splits == 1 || fused) return err;
+  if (err != cudaSuccess || p.num_splits == 1) return err;
   return run_merge<T, S>(p, stream);
 }
 

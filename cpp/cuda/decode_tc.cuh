@@ -15,12 +15,6 @@
 // flight, not tensor-core occupancy: kStages - 1 tiles (64-96 KB) are in flight per block and
 // two blocks share an SM at head_dim 64/128.
 //
-// Merging. With num_splits > 1 each block writes its normalised partial (O, lse); where a
-// group's partials are small (fused_merge_pays) the block of each (sequence, KV head, row block)
-// that finishes last, counted through an atomic in the group's first lse slot, merges them itself
-// (decode_fused_merge), so a short call is one kernel whose tail is that merge; otherwise the
-// merge pass of decode_merge.cuh follows.
-//
 // Paged caches. A key row's address is page * page_size + j % page_size (DecodeParams::key_row,
 // done in 32-bit arithmetic here); each loading thread reads the block-table entries of its rows
 // of tile t + 1 while it issues the copies of tile t, so the table lookup never stalls the copy
@@ -39,7 +33,6 @@
 #include <cstdint>
 
 #include "common/decode_params.h"
-#include "cuda/decode_simt.cuh"
 #include "cuda/grid_dependency.cuh"
 #include "cuda/kernel_attributes.h"
 #include "cuda/tc_primitives.cuh"
@@ -106,36 +99,7 @@ struct TcArgs {
   int group;     // G = heads_q / heads_kv
   int rows;      // G * seqlen_q packed rows per (sequence, KV head)
   int m_blocks;  // ceil(rows / kBlockM)
-  // num_splits > 1: the last split block of each (sequence, KV head, row block) to finish merges
-  // the group's partials (decode_fused_merge) instead of a merge pass; the launcher sets it where
-  // it pays (fused_merge_pays) and zeroes the counters first.
-  bool fused_merge;
 };
-
-// Whether a split pass merges its own splits. The last block of each group reads all of the
-// group's partial O rows through one SM (~100+ GB/s from L2), so a group of up to 128 KB of
-// partials (Sq = 1 at GQA 4, d128, up to 64 splits: ~1 us) merges faster in the grid's tail than
-// a second kernel would start and drain; larger groups (Sq = 4 at 32 splits: 256 KB) go to the
-// merge pass, which spreads them over a block per row. The split weights and sinks,
-// (num_splits + 1) per row, must fit the ring.
-template <typename Tr>
-bool fused_merge_pays(int64_t num_splits, int rows, int64_t head_dim) {
-  const int64_t group_rows = rows < Tr::kBlockM ? rows : Tr::kBlockM;
-  return num_splits > 1 && group_rows * num_splits * head_dim * 4 <= 128 * 1024 &&
-         group_rows * (num_splits + 1) * 4 <= Tr::kRingBytes;
-}
-
-// Zeroes lse before a split pass with a fused merge: the lse slot of the first row of each
-// (sequence, KV head, row block) is that group's arrival counter until its last block overwrites
-// it with the final lse. The split pass is launched as this kernel's programmatic dependent and
-// waits for it only before its first counter update, so the zeroing overlaps the key loop.
-__global__ void __launch_bounds__(256) decode_zero_lse_kernel(float* lse, int64_t n) {
-  decode_allow_dependents();
-  for (int64_t x = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x; x < n;
-       x += static_cast<int64_t>(gridDim.x) * 256) {
-    lse[x] = 0.f;  // the bits of int 0
-  }
-}
 
 // Block-table lookups of one thread's rows of the next tile to copy (paged caches only): the
 // page, loaded early, and the row within it.
@@ -144,141 +108,6 @@ struct PageRows {
   int32_t page[kRows];
   int32_t offset[kRows];
 };
-
-// The end of a split block with a fused merge, called by every thread after the block's
-// partial stores. The counter of group (b, kv_head, row block from r0) counts the group's split
-// blocks that have stored their partials (every split stores, empty ones lse = -inf and O = 0),
-// so the one that brings it to num_splits sees every partial and combines them as
-// decode_merge.cuh does: lse = log(sum_s exp(lse_s) + exp(sink)), O = sum_s exp(lse_s - lse) O_s,
-// the sink counted once and a row that sees nothing left at O = 0, lse = -inf. The splits are
-// summed in index order, so the result does not depend on which block arrives last. `smem`: the
-// ring, free once the epilogue's last barrier has passed (fused_merge_pays bounds its use).
-// Latency is what counts here (it is the grid's tail), so each phase issues all its L2 reads at
-// once: the lse values and sinks in one sweep, then the O rows with kFusedMergeLoads loads in
-// flight.
-inline constexpr int kFusedMergeLoads = 16;
-
-template <typename Tr>
-__device__ void decode_fused_merge(const DecodeParams& p, const TcArgs& a, int64_t b, int kv_head,
-                                   int r0, int r1, float* smem) {
-  using T = typename Tr::T;
-  constexpr int kNThreads = Tr::kNThreads;
-  constexpr int kNWarps = Tr::kNWarps;
-  constexpr float kNegInf = -INFINITY;
-  __shared__ int last;
-  const int tid = static_cast<int>(threadIdx.x);
-  const int lane = tid % 32;
-  const int warp = tid / 32;
-  const int group = a.group;
-  const int n_splits = static_cast<int>(p.num_splits);
-  const int n_rows = r1 - r0;
-  const int64_t seqlen_q = p.seqlen_q;
-  const int64_t split_stride = p.heads_q * seqlen_q;  // between splits in partial_lse
-  // Packed row r's query head, its index in lse and that of split 0 in partial_lse.
-  auto head_of = [&](int r) { return static_cast<int64_t>(kv_head) * group + r % group; };
-  auto lse_index = [&](int r) { return (b * p.heads_q + head_of(r)) * seqlen_q + r / group; };
-  auto part_index = [&](int r) {
-    return (b * n_splits * p.heads_q + head_of(r)) * seqlen_q + r / group;
-  };
-  float* lse_out = static_cast<float*>(p.lse);
-  // Every thread's partial stores precede thread 0's release through the barrier and the
-  // device-scope fence; the block that sees num_splits - 1 fences again before it reads.
-  __syncthreads();
-  if (tid == 0) {
-    // The counters were zeroed by the kernel this grid depends on (decode_zero_lse_kernel):
-    // wait for it here, after the key loop, not at the start.
-    decode_wait_for_primary();
-    __threadfence();
-    const int arrived = atomicAdd(reinterpret_cast<int*>(lse_out + lse_index(r0)), 1);
-    last = arrived == n_splits - 1;
-    if (last) __threadfence();
-  }
-  __syncthreads();
-  if (!last) return;
-
-  // The O rows do not depend on the weights: each thread's first kFusedMergeLoads splits of its
-  // first (row, 4 columns) are in flight while the lse values are read and weighed.
-  const float* part_o = static_cast<const float*>(p.partial_o);
-  const int chunks = static_cast<int>(p.head_dim) / 4;
-  const int items = n_rows * chunks;
-  const int64_t o_split_stride = split_stride * p.head_dim;
-  float4 v[kFusedMergeLoads];
-  auto load_o = [&](int x, int s0) {
-    const int rl = x / chunks;
-    const float* src = part_o + part_index(r0 + rl) * p.head_dim + (x - rl * chunks) * 4;
-#pragma unroll
-    for (int u = 0; u < kFusedMergeLoads; ++u) {
-      v[u] = s0 + u < n_splits
-                 ? __ldcg(reinterpret_cast<const float4*>(src + (s0 + u) * o_split_stride))
-                 : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-  };
-  if (tid < items) load_o(tid, 0);
-
-  // weights[rl][s]: first lse_s, then exp(lse_s - lse); sinks[rl] after them. __ldcg reads at
-  // L2, where the other blocks' stores are.
-  float* weights = smem;
-  float* sinks = smem + n_rows * n_splits;
-  const float* part_lse = static_cast<const float*>(p.partial_lse);
-  for (int x = tid; x < n_rows * n_splits; x += kNThreads) {
-    const int rl = x / n_splits;
-    weights[x] = __ldcg(part_lse + part_index(r0 + rl) + (x - rl * n_splits) * split_stride);
-  }
-  if (tid < n_rows) {
-    sinks[tid] = p.mask.sinks == nullptr
-                     ? kNegInf
-                     : static_cast<const float*>(
-                           p.mask.sinks)[b * p.mask.sinks_batch_stride + head_of(r0 + tid)];
-  }
-  __syncthreads();
-  // A warp per row, lanes over the splits.
-  for (int rl = warp; rl < n_rows; rl += kNWarps) {
-    float* w = weights + rl * n_splits;
-    const float sink = sinks[rl];
-    float m = sink;
-    for (int s = lane; s < n_splits; s += 32) m = fmaxf(m, w[s]);
-    m = warp_max(m);
-    float lse = kNegInf;
-    if (m != kNegInf) {  // uniform across the warp
-      float sum = 0.f;
-      for (int s = lane; s < n_splits; s += 32) sum += simt::exp_full(w[s] - m);
-      sum = warp_sum(sum) + simt::exp_full(sink - m);
-      lse = m + simt::log_full(sum);
-    }
-    for (int s = lane; s < n_splits; s += 32) {
-      w[s] = lse == kNegInf ? 0.f : simt::exp_full(w[s] - lse);
-    }
-    // Overwrites the counter too (row r0): no block reads it again.
-    if (lane == 0) lse_out[lse_index(r0 + rl)] = lse;
-  }
-  __syncthreads();
-
-  // A thread per (row, 4 columns).
-  for (int x = tid; x < items; x += kNThreads) {
-    const int rl = x / chunks;
-    const int r = r0 + rl;
-    const int ch = x - rl * chunks;
-    const float* w = weights + rl * n_splits;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = 0; s0 < n_splits; s0 += kFusedMergeLoads) {
-      if (s0 > 0 || x != tid) load_o(x, s0);
-#pragma unroll
-      for (int u = 0; u < kFusedMergeLoads; ++u) {
-        const float ws = s0 + u < n_splits ? w[s0 + u] : 0.f;
-        acc.x = fmaf(ws, v[u].x, acc.x);
-        acc.y = fmaf(ws, v[u].y, acc.y);
-        acc.z = fmaf(ws, v[u].z, acc.z);
-        acc.w = fmaf(ws, v[u].w, acc.w);
-      }
-    }
-    T* dst = static_cast<T*>(p.o) +
-             ((b * seqlen_q + r / group) * p.heads_q + head_of(r)) * p.head_dim + ch * 4;
-    uint2 packed;
-    packed.x = tc::pack2<T>(acc.x, acc.y);
-    packed.y = tc::pack2<T>(acc.z, acc.w);
-    *reinterpret_cast<uint2*>(dst) = packed;
-  }
-}
 
 template <typename Tr, bool kPaged>
 __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
@@ -294,10 +123,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   constexpr float kNegInf = -INFINITY;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kLn2 = 0.6931471805599453f;
-  // Without a fused merge, the merge pass is launched as this grid's programmatic dependent:
-  // letting it launch as soon as every block of this grid has started hides its launch latency
-  // (its blocks wait for this grid's completion and memory before reading a partial). A no-op
-  // without a dependent.
+  // The merge pass is launched as this grid's programmatic dependent: letting it launch as soon
+  // as every block of this grid has started hides its launch latency (its blocks wait for this
+  // grid's completion and memory before reading a partial). A no-op without a dependent.
   decode_allow_dependents();
 
   extern __shared__ uint4 smem_raw[];  // 16-byte alignment for cp.async and ldmatrix
@@ -686,7 +514,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
       *reinterpret_cast<float4*>(dst + 4) = make_float4(out[4], out[5], out[6], out[7]);
     }
   }
-  if (!single && a.fused_merge) decode_fused_merge<Tr>(p, a, b, kv_head, r0, r1, obuf);
 }
 
 // Launches the split pass on `stream`; the caller (decode.cu) has validated p, clamped its band
@@ -701,18 +528,8 @@ cudaError_t launch_tc(const DecodeParams& p, const TcArgs& args, int64_t blocks,
   const cudaError_t err =
       configure_kernel_once<decode_tc_kernel<Tr, kPaged>>(Tr::kSmemBytes, /*max_carveout=*/true);
   if (err != cudaSuccess) return err;
-  if (!args.fused_merge) {
-    kernel<<<static_cast<unsigned>(blocks), Tr::kNThreads, Tr::kSmemBytes, stream>>>(p, args);
-    return cudaGetLastError();
-  }
-  // The counters live in lse (decode_zero_lse_kernel); n fits: the grid check bounds the rows.
-  const int64_t n = p.batch * p.heads_q * p.seqlen_q;
-  const int64_t zero_blocks = (n + 255) / 256 < 1024 ? (n + 255) / 256 : 1024;
-  decode_zero_lse_kernel<<<static_cast<unsigned>(zero_blocks), 256, 0, stream>>>(
-      static_cast<float*>(p.lse), n);
-  if (const cudaError_t zero_err = cudaGetLastError(); zero_err != cudaSuccess) return zero_err;
-  return launch_dependent(kernel, static_cast<unsigned>(blocks), Tr::kNThreads, Tr::kSmemBytes,
-                          stream, p, args);
+  kernel<<<static_cast<unsigned>(blocks), Tr::kNThreads, Tr::kSmemBytes, stream>>>(p, args);
+  return cudaGetLastError();
 }
 
 }  // namespace jax_flash::cuda::decode
