@@ -52,9 +52,8 @@ bool params_supported(const BwdParams& p, DType dtype) {
   // Query tiles of one sequence times the GQA group: the producer's loop count.
   const int64_t max_len_q = l.varlen() ? l.total_q : l.seqlen_q;
   if ((max_len_q / kBlockM + 2) * (p.heads_q / p.heads_kv) > kIntMax) return false;
-  // Pointers and alignment of what the call reads or writes: TMA sources need 16 bytes,
-  // dq_accum takes 8-byte vector reductions (and dq_convert 16-byte loads), dQ 8-byte and dK/dV
-  // 4-byte stores.
+  // Pointers and alignment of what the call reads or writes: TMA sources and destinations (Q, K,
+  // V, dO, dq_accum, dK, dV) need 16 bytes, dQ 8-byte stores.
   if (rows_q > 0) {
     if (!p.q || !p.dout || !p.lse || !p.delta || !p.dq || !p.dq_accum) return false;
     if (!aligned(p.q, 16) || !aligned(p.dout, 16) || !aligned(p.dq_accum, 16) ||
@@ -64,7 +63,7 @@ bool params_supported(const BwdParams& p, DType dtype) {
   }
   if (rows_k > 0) {
     if (!p.k || !p.v || !p.dk || !p.dv) return false;
-    if (!aligned(p.k, 16) || !aligned(p.v, 16) || !aligned(p.dk, 4) || !aligned(p.dv, 4)) {
+    if (!aligned(p.k, 16) || !aligned(p.v, 16) || !aligned(p.dk, 16) || !aligned(p.dv, 16)) {
       return false;
     }
   }
@@ -116,8 +115,12 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
                  Tr::kBlockM, 4))) {
       return cudaErrorInvalidValue;
     }
+    // dK / dV are stored by each consumer warpgroup, 64 key rows at a time.
+    CUtensorMap tm_dk, tm_dv;
     if (!encode(&tm_k, type, p.k, l, true, p.heads_kv, Tr::kD, Tr::kBlockN) ||
-        !encode(&tm_v, type, p.v, l, true, p.heads_kv, Tr::kD, Tr::kBlockN)) {
+        !encode(&tm_v, type, p.v, l, true, p.heads_kv, Tr::kD, Tr::kBlockN) ||
+        !encode(&tm_dk, type, p.dk, l, true, p.heads_kv, Tr::kD, 64) ||
+        !encode(&tm_dv, type, p.dv, l, true, p.heads_kv, Tr::kD, 64)) {
       return cudaErrorInvalidValue;
     }
     BwdWgmmaArgs args;
@@ -146,7 +149,7 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
     cudaError_t err = configure_kernel_once<sm90::bwd_wgmma_kernel<Tr>>(Tr::kSmemBytes);
     if (err != cudaSuccess) return err;
     kernel<<<static_cast<unsigned>(grid), Tr::kThreads, Tr::kSmemBytes, stream>>>(
-        args, tm_q, tm_k, tm_v, tm_do, tm_dq);
+        args, tm_q, tm_k, tm_v, tm_do, tm_dq, tm_dk, tm_dv);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }

@@ -460,7 +460,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                      const __grid_constant__ CUtensorMap tm_k,
                      const __grid_constant__ CUtensorMap tm_v,
                      const __grid_constant__ CUtensorMap tm_do,
-                     const __grid_constant__ CUtensorMap tm_dq) {
+                     const __grid_constant__ CUtensorMap tm_dq,
+                     const __grid_constant__ CUtensorMap tm_dk,
+                     const __grid_constant__ CUtensorMap tm_dv) {
 #if JAX_FLASH_SM90A
   using T = typename Tr::Element;
   constexpr bool kMasked = Tr::kIsMasked;
@@ -864,9 +866,48 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   // Epilogue: dK = scale * dS^T Q, dV, element 4i + 2r + e at (key row g + 8r, column 8i + 2t + e).
   // A CTA with no visible query still writes its zeros; keys past the sequence are a neighbour's.
+  const int keys = static_cast<int>(cta_tile->span.len_k - cta_tile->n0);
+  if (!varlen || keys >= kBlockN) {
+    // Through shared memory and TMA stores (whole 128-byte rows, where the stores below write
+    // 16-byte pieces of rows 2 KB apart), into the K and V tiles' place: both warpgroups have
+    // finished their last GEMM, which read them, once both pass this barrier. The dense maps
+    // clip the keys past the sequence; a packed sequence's last tile takes the path below.
+    named_barrier_sync(kBwdBarConsumers, 128 * Tr::kConsumerWarpgroups);
+    // The position is re-read (volatile) so that these addresses are not hoisted into the loop.
+    const int etid = fresh_thread_index() - 128;
+    const int eg = etid % 32 / 4;
+    const int et = etid % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int kr = etid / 32 * 16 + eg + 8 * r;
+#pragma unroll
+      for (int i = 0; i < kD / 8; ++i) {
+        const int at =
+            (i / 8) * Tr::kKVPanelBytes + kr * Tr::kRowBytes + ((i % 8) ^ eg) * 16 + et * 4;
+        *reinterpret_cast<uint32_t*>(smem + Tr::kKOffset + at) =
+            tc::pack2<T>(dk[4 * i + 2 * r] * args.scale, dk[4 * i + 2 * r + 1] * args.scale);
+        *reinterpret_cast<uint32_t*>(smem + Tr::kVOffset + at) =
+            tc::pack2<T>(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
+      }
+    }
+    fence_proxy_async_smem();
+    named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
+    if (tid == 0) {
+      const int row =
+          static_cast<int>((varlen ? cta_tile->span.k_start : 0) + cta_tile->n0) + cw * 64;
+      const int batch = varlen ? 0 : static_cast<int>(cta_tile->span.seq);
+#pragma unroll
+      for (int p = 0; p < Tr::kPanels; ++p) {
+        const uint32_t at = p * Tr::kKVPanelBytes + cw * 64 * Tr::kRowBytes;
+        tma_store_4d(&tm_dk, k_smem + at, p * Tr::kPanelCols, cta_tile->head_kv, row, batch);
+        tma_store_4d(&tm_dv, v_smem + at, p * Tr::kPanelCols, cta_tile->head_kv, row, batch);
+      }
+      tma_store_commit_and_wait_read();
+    }
+    return;
+  }
   T* const dk_out = static_cast<T*>(args.dk);
   T* const dv_out = static_cast<T*>(args.dv);
-  const int keys = static_cast<int>(cta_tile->span.len_k - cta_tile->n0);
   const int64_t k_row0 = cta_tile->span.k_start + cta_tile->n0;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
