@@ -1,6 +1,7 @@
 """The capability report (jax_flash.capabilities, python -m jax_flash) and the import-time
 refusal of a jaxlib whose XLA FFI API cannot take the kernels."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -15,6 +16,8 @@ import pytest
 import jax_flash
 from jax_flash import _compat, _jax_flash
 
+# The module (jax_flash.capabilities is also the name of its main function).
+caps_module = importlib.import_module("jax_flash.capabilities")
 # The directory the installed jax_flash is imported from, for the subprocesses.
 SITE = str(Path(jax_flash.__file__).resolve().parent.parent)
 
@@ -144,3 +147,24 @@ def test_incompatible_jaxlib_is_refused_at_import(fake):
     assert f"XLA FFI API {major}.{minor})" in out
     assert "--no-build-isolation" in out and "pip install -U jax jaxlib" in out
     assert "JAX_WORKS: 6.0" in out
+
+
+@pytest.mark.parametrize(
+    ("capability", "archs", "family"),
+    [
+        ("9.0", ["sm_80", "sm_90a"], "wgmma"),
+        # Built without sm_90a: the wgmma kernels are traps, so the mma.sync family runs.
+        ("9.0", ["sm_90"], "mma.sync"),
+        ("8.0", ["sm_80", "sm_90a"], "mma.sync"),
+        ("8.9", ["sm_80"], "mma.sync"),
+    ],
+)
+def test_reported_family_follows_the_build_and_the_device(monkeypatch, capability, archs, family):
+    """The report's rule is the dispatch's (cuda/sm90_host.cu, sm90a_kernels_usable): wgmma only
+    on a 9.0 device with the sm_90a code built."""
+    monkeypatch.delenv("JAX_FLASH_CUDA_FAMILY", raising=False)
+    assert caps_module._cuda_family("bfloat16", 128, capability, archs) == {
+        "forward": family,
+        "backward": family,
+    }
+    assert caps_module._cuda_family("float16", 256, capability, archs)["backward"] == "mma.sync"
