@@ -243,10 +243,12 @@ __device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, uint32
       : "memory");
 }
 
+// Closes this thread's bulk operations issued since the last commit into one group.
 __device__ __forceinline__ void tma_commit() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
 
+// Waits until every bulk group this thread committed has finished writing global memory.
 __device__ __forceinline__ void tma_wait_all() {
   asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
@@ -258,8 +260,8 @@ __device__ __forceinline__ void tma_wait_read() {
 
 // Shared memory must stay valid until the bulk stores have read it.
 __device__ __forceinline__ void tma_store_commit_and_wait_read() {
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  tma_commit();
+  tma_wait_read();
 }
 
 // Orders this thread's generic-proxy shared-memory writes before later async-proxy (TMA) reads.
