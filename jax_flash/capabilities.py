@@ -31,12 +31,8 @@ def _cuda_family(dtype: str, head_dim: int, capability: str, archs: list[str]) -
     pad = "" if padded == head_dim else f", padded to {padded}"
     hopper = capability == "9.0" and "sm_90a" in archs
     forced = os.environ.get("JAX_FLASH_CUDA_FAMILY", "auto")
-    wgmma_fwd = hopper and forced != "mma"
-    wgmma_bwd = wgmma_fwd and padded <= 128
-    return {
-        "forward": ("wgmma" if wgmma_fwd else "mma.sync") + pad,
-        "backward": ("wgmma" if wgmma_bwd else "mma.sync") + pad,
-    }
+    family = "wgmma" if hopper and forced != "mma" else "mma.sync"
+    return {"forward": family + pad, "backward": family + pad}
 
 
 def kernel_families(device: jax.Device) -> dict[str, dict[int, dict[str, str]]]:

@@ -64,7 +64,7 @@ def test_report_contents():
         assert gpu["kernels"]["float32"][64]["forward"].startswith("simt")
         if gpu["compute_capability"] == "9.0" and os.environ.get("JAX_FLASH_CUDA_FAMILY") != "mma":
             assert gpu["kernels"]["bfloat16"][128]["backward"] == "wgmma"
-            assert gpu["kernels"]["bfloat16"][256]["backward"] == "mma.sync"
+            assert gpu["kernels"]["bfloat16"][256]["backward"] == "wgmma"
 
 
 def test_module_command(tmp_path):
@@ -167,4 +167,4 @@ def test_reported_family_follows_the_build_and_the_device(monkeypatch, capabilit
         "forward": family,
         "backward": family,
     }
-    assert caps_module._cuda_family("float16", 256, capability, archs)["backward"] == "mma.sync"
+    assert caps_module._cuda_family("float16", 256, capability, archs)["backward"] == family

@@ -1,8 +1,8 @@
 """deterministic=True: the backward adds each dQ tile's contributions in a fixed order, so the
 gradients are bitwise the same from run to run (on the GPU; the CPU kernels are deterministic
-either way), and they are as accurate as the default's. Cases cover both tensor-core families
-(head_dim 64/128 run the wgmma backward on Hopper, 256 the mma.sync one), grouped heads, the band,
-segment ids (every pair of the band is then visited) and packed sequences."""
+either way), and they are as accurate as the default's. Cases cover head_dim 64/128/256 (the
+wgmma backward on Hopper, the mma.sync one under JAX_FLASH_CUDA_FAMILY=mma), grouped heads, the
+band, segment ids (every pair of the band is then visited) and packed sequences."""
 
 import jax
 import jax.numpy as jnp

@@ -13,15 +13,15 @@
 // (not through common/mask.h): per sequence, query i sees key j iff 0 <= j < len_k,
 // i + off - left <= j <= i + off + right (off = len_k - len_q, a missing bound is unbounded) and,
 // with segment ids, q_id == kv_id; scores are scale q.k, soft-capped to c tanh(s / c); sinks
-// enter the forward's denominator. Cases: head_dim 128 and 64, causal and not, awkward lengths,
-// Sq != Sk both ways, GQA, sliding and two-sided windows, segment ids (rows without a matching
-// key included), soft-capping, sinks, packed cu_seqlens (empty sequences, sequences without keys
-// or without queries, rows and keys past cu_seqlens[N]) and malformed cu_seqlens. Packed and
-// dense cases poison one sequence (batch element) and the padding rows with NaN: the other
-// sequences must stay finite and correct, padding dQ rows and padding dK / dV keys exactly 0.
+// enter the forward's denominator. Cases: head_dim 128, 64 and 256, causal and not, awkward
+// lengths, Sq != Sk both ways, GQA, sliding and two-sided windows, segment ids (rows without a
+// matching key included), soft-capping, sinks, packed cu_seqlens (empty sequences, sequences
+// without keys or without queries, rows and keys past cu_seqlens[N]) and malformed cu_seqlens.
+// Packed and dense cases poison one sequence (batch element) and the padding rows with NaN: the
+// other sequences must stay finite and correct, padding dQ rows and padding dK / dV keys exactly 0.
 // It fails (exit 1) on a relative L2 error above 2e-2 or any NaN where none belongs.
 //
-// Part 2 times the standard grid's 4k cells, B=4, S=4096, H = 2048 / D for D = 128 and 64, bf16,
+// Part 2 times the standard grid's 4k cells, B=4, S=4096, H = 2048 / D for D = 128, 64, 256, bf16,
 // unmasked and causal, and beside them a causal sliding window, soft-capping, segment ids
 // (document masking) and packed sequences: median of 10 repeats of 10 back-to-back calls;
 // TFLOP/s = 2.5 * 4 * H * D * (visible (query, key) pairs per head) / time (the causal cells
@@ -48,7 +48,7 @@ namespace {
 using jax_flash::BwdParams;
 using jax_flash::DType;
 
-constexpr int kMaxD = 128;
+constexpr int kMaxD = 256;
 
 // One call: a dense batch (cu_q empty) or packed sequences, and the mask.
 struct Case {
@@ -718,7 +718,7 @@ int main(int argc, char** argv) {
   // --time-only: only the timed cases (for a profiler, which then sees no correctness launches).
   const bool time_only = argc > 1 && std::strcmp(argv[1], "--time-only") == 0;
   if (time_only) {
-    for (int d : {128, 64}) {
+    for (int d : {128, 64, 256}) {
       const int h = 2048 / d;
       time_case("unmasked", dense(4, 4096, 4096, h, h, d));
       time_case("causal", dense(4, 4096, 4096, h, h, d, -1, 0));
@@ -846,10 +846,44 @@ int main(int argc, char** argv) {
     m.malformed = true;
     check(m);
   }
+  // Head_dim 256 (64-key tiles, the warpgroups splitting the queries of S^T): the same kinds of
+  // cases, fewer of each.
+  for (int right : {-1, 0}) {
+    for (int len : lengths) check(dense(2, len, len, 2, 2, 256, -1, right));
+    check(dense(1, 300, 77, 2, 2, 256, -1, right));
+    check(dense(1, 77, 300, 4, 2, 256, -1, right));
+  }
+  check(dense(2, 1000, 1000, 2, 2, 256, 100, 0));
+  check(dense(1, 700, 700, 4, 2, 256, 37, 19));
+  check(dense(1, 257, 1000, 2, 1, 256, 0, 130));
+  {
+    Case c = dense(2, 257, 257, 2, 2, 256, -1, 0);
+    c.softcap = 0.4f;
+    check(c);
+    Case k = dense(2, 300, 300, 4, 2, 256, -1, 0);
+    k.sinks = true;
+    check(k);
+    Case e = dense(2, 200, 333, 4, 2, 256);
+    e.segments = 2;
+    check(e);
+    Case f = dense(3, 256, 256, 2, 2, 256, 60, 0);
+    f.segments = 1;
+    f.poison = 1;
+    check(f);
+    Case a = packed({0, 100, 177, 477, 480}, {0, 100, 177, 477, 480}, 500, 520, 2, 2, 256);
+    a.poison = 1;
+    check(a);
+    a.right = 0;
+    check(a);
+    Case b = packed({0, 50, 50, 350, 351, 600}, {0, 130, 140, 400, 400, 777}, 600, 800, 4, 2, 256,
+                    -1, 0);
+    b.poison = 2;
+    check(b);
+  }
   std::printf(ok ? "all correctness cases passed\n" : "FAILED\n");
   // Timed even after a failure: the speed of a wrong kernel still says whether it is worth fixing.
   if (!quick) {
-    for (int d : {128, 64}) {
+    for (int d : {128, 64, 256}) {
       const int h = 2048 / d;
       time_case("unmasked", dense(4, 4096, 4096, h, h, d));
       time_case("causal", dense(4, 4096, 4096, h, h, d, -1, 0));

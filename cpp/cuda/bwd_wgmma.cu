@@ -23,7 +23,8 @@ using sm90::encode_bshd;
 using sm90::sm90a_kernels_usable;
 
 constexpr int kBlockM = 64;
-constexpr int kBlockN = 128;
+// Keys per CTA (BwdWgmmaTraits::kBlockN): 64 at head_dim 256, 128 below.
+constexpr int block_n(int64_t head_dim) { return head_dim == 256 ? 64 : 128; }
 
 // Segment ids are defined for dense batches only; everything else of MaskParams is served.
 bool features_supported(const BwdParams& p) {
@@ -34,7 +35,7 @@ bool params_supported(const BwdParams& p, DType dtype) {
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   const SeqLayout& l = p.layout;
   if (!sm90::common_params_supported(p, dtype)) return false;
-  if (p.head_dim != 64 && p.head_dim != 128) return false;
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return false;
   // The kernel multiplies q.k by softmax_scale / softcap in float32.
   if (p.mask.softcap > 0.0 && !(p.softmax_scale / p.mask.softcap <
                                 static_cast<double>(std::numeric_limits<float>::max()))) {
@@ -47,7 +48,7 @@ bool params_supported(const BwdParams& p, DType dtype) {
   if (rows_q > kIntMax - 1024 || rows_k > kIntMax - 1024 || p.heads_q > kIntMax) return false;
   if (!l.varlen() && l.batch > kIntMax) return false;
   if (l.varlen() && l.num_seqs > kIntMax - 1024) return false;
-  const int64_t tiles = l.tiles(kBlockN, true);
+  const int64_t tiles = l.tiles(block_n(p.head_dim), true);
   if (tiles * p.heads_kv > kIntMax) return false;
   // Query tiles of one sequence times the GQA group: the producer's loop count.
   const int64_t max_len_q = l.varlen() ? l.total_q : l.seqlen_q;
@@ -87,7 +88,7 @@ bool encode(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, const S
 template <typename T, int kHeadDim, bool kMasked, bool kSoftcap>
 cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
   using Tr = BwdWgmmaTraits<T, kHeadDim, kMasked, kSoftcap>;
-  static_assert(Tr::kBlockM == kBlockM && Tr::kBlockN == kBlockN);
+  static_assert(Tr::kBlockM == kBlockM && Tr::kBlockN == block_n(kHeadDim));
   const SeqLayout& l = p.layout;
   const int64_t dq_elems = l.rows_q() * p.heads_q * Tr::kD;
   if (const cudaError_t err = zero_dq_accum(p.dq_accum, dq_elems, stream); err != cudaSuccess) {
@@ -172,8 +173,9 @@ cudaError_t dispatch_mask(const BwdParams& p, CUtensorMapDataType type, cudaStre
 
 template <typename T>
 cudaError_t dispatch_head_dim(const BwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
-  return p.head_dim == 64 ? dispatch_mask<T, 64>(p, type, stream)
-                          : dispatch_mask<T, 128>(p, type, stream);
+  if (p.head_dim == 64) return dispatch_mask<T, 64>(p, type, stream);
+  if (p.head_dim == 128) return dispatch_mask<T, 128>(p, type, stream);
+  return dispatch_mask<T, 256>(p, type, stream);
 }
 
 }  // namespace

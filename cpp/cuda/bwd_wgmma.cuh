@@ -12,8 +12,11 @@
 //   dQ_i += dS K                                    (wgmma, dS^T staged in shared memory)
 // and add dQ_i into the fp32 dq_accum: staged in shared memory and added by TMA reductions (one
 // bulk operation per 32 columns instead of a vector atomic per thread and row), or, for the
-// deterministic order and a packed sequence's last tile, with vector atomics from registers.
-// Head_dim 128 and 64. Inside a warpgroup the GEMMs of one query tile are ordered so that each
+// deterministic order, a packed sequence's last tile and head_dim 256, with vector atomics from
+// registers.
+// Head_dim 64, 128 and 256; at 256 (BwdWgmmaTraits::kSplitQ) a CTA owns 64 keys, the warpgroups
+// split dK / dV's columns and S^T's queries, and exchange their halves of P^T and dS^T through
+// shared memory. Inside a warpgroup the GEMMs of one query tile are ordered so that each
 // runs under elementwise work: dV under dS = P (dP - delta) and the dS^T stores, dK under the
 // dQ_i staging (dQ_i is computed before dK for that reason). Working on the
 // transposed products keeps the key axis on the accumulator rows, so dK and dV stay in registers
@@ -75,18 +78,29 @@ struct BwdWgmmaTraits {
   static constexpr bool kIsSoftcap = kSoftcap;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
-  // Keys per CTA (64 per consumer warpgroup: the M extent of one wgmma) and queries per tile.
-  static constexpr int kBlockN = 64 * kConsumerWarpgroups;
+  // Head_dim 64 / 128: each consumer warpgroup owns 64 of the CTA's 128 keys (the M extent of one
+  // wgmma) with all of dK and dV's columns. Head_dim 256 (kSplitQ): dK and dV of 64 keys are
+  // already 256 registers a thread, so the CTA has 64 keys, each warpgroup owns half of dK and
+  // dV's columns, and the two split the queries of S^T and dP^T instead (kSCols each): the
+  // halves of P^T and dS^T are exchanged through shared memory before the dV / dK GEMMs, which
+  // reduce over all the tile's queries.
+  static constexpr bool kSplitQ = kD == 256;
+  static constexpr int kBlockN = kSplitQ ? 64 : 64 * kConsumerWarpgroups;
   static constexpr int kBlockM = 64;
+  static constexpr int kSCols = kSplitQ ? kBlockM / kConsumerWarpgroups : kBlockM;
+  static constexpr int kDkCols = kSplitQ ? kD / kConsumerWarpgroups : kD;
   // Q / dO stages: a third fits beside the head_dim-64 tiles, and gives the producer a whole
-  // extra pair's time to refill a stage; head_dim 128 has room for two.
+  // extra pair's time to refill a stage; head_dim 128 and 256 have room for two.
   static constexpr int kStages = kD == 64 ? 3 : 2;
-  // dQ_i = dS K: the two warpgroups split the head dimension (kDqCols columns each) and reduce
-  // over all 128 keys, so each needs the other's dS^T rows, and each dQ element is added to
-  // dq_accum once per key tile.
-  static constexpr int kDqCols = kD / kConsumerWarpgroups;
+  // dQ_i = dS K: the two warpgroups split the head dimension and reduce over all the tile's keys,
+  // so each needs the other's dS^T rows, and each dQ element is added to dq_accum once per key
+  // tile; kDqGemms GEMMs of kDqCols columns each. Head_dim 256 adds them from registers (there
+  // is no shared memory left to stage them), the others through TMA reductions (kDqStaged).
+  static constexpr int kDqCols = kSplitQ ? 64 : kD / kConsumerWarpgroups;
+  static constexpr int kDqGemms = kD / (kConsumerWarpgroups * kDqCols);
+  static constexpr bool kDqStaged = !kSplitQ;
 
-  // Consumers hold dK and dV (kD / 2 registers each), S^T and dP^T (kBlockM / 2 each), dQ
+  // Consumers hold dK and dV (kDkCols / 2 registers each), S^T and dP^T (kSCols / 2 each), dQ
   // (kDqCols / 2) and the 16-bit P^T, dS^T (kBlockM / 4 each).
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
@@ -98,13 +112,15 @@ struct BwdWgmmaTraits {
   static constexpr int kKVBytes = kKVPanelBytes * kPanels;
   static constexpr int kQPanelBytes = kBlockM * kRowBytes;
   static constexpr int kQStageBytes = kQPanelBytes * kPanels;
-  // dS^T of one query tile: kBlockN key rows of kBlockM queries (one 128-byte panel).
+  // dS^T of one query tile: kBlockN key rows of kBlockM queries (one 128-byte panel); P^T alike
+  // where the warpgroups exchange it.
   static constexpr int kDsBytes = kBlockN * kRowBytes;
+  static constexpr int kPBytes = kSplitQ ? kDsBytes : 0;
   // dQ_i of one warpgroup (kBlockM queries x kDqCols head-dim columns, float32) on its way to
   // dq_accum: TMA boxes of 32 columns, each kBlockM 128-byte rows with the 128-byte swizzle.
   static constexpr int kDqBoxBytes = kBlockM * kRowBytes;
   static constexpr int kDqBoxes = kDqCols / 32;
-  static constexpr int kDqWgBytes = kDqBoxBytes * kDqBoxes;
+  static constexpr int kDqWgBytes = kDqStaged ? kDqBoxBytes * kDqBoxes : 0;
   // Per stage: lse * log2(e), delta and the query segment ids (kBlockM 4-byte values each), then
   // the pair's header (BwdPairHeader).
   static constexpr int kHeaderBytes = 48;
@@ -115,7 +131,8 @@ struct BwdWgmmaTraits {
   static constexpr int kQOffset = kVOffset + kKVBytes;
   static constexpr int kDoOffset = kQOffset + kStages * kQStageBytes;
   static constexpr int kDsOffset = kDoOffset + kStages * kQStageBytes;
-  static constexpr int kDqOffset = kDsOffset + 2 * kDsBytes;
+  static constexpr int kPOffset = kDsOffset + 2 * kDsBytes;
+  static constexpr int kDqOffset = kPOffset + 2 * kPBytes;
   static constexpr int kStatOffset = kDqOffset + kConsumerWarpgroups * kDqWgBytes;
   static constexpr int kBarOffset = kStatOffset + kStages * kRowStatBytes;
   // mbarriers: K/V full, then full and empty per stage.
@@ -125,14 +142,18 @@ struct BwdWgmmaTraits {
   static constexpr int kTileBytes = 128;
   // Segment ids of the tile's keys (kBlockN ints), written by the producer warp.
   static constexpr int kKvIdOffset = kTileOffset + kTileBytes;
-  static constexpr int kSmemBytes = kKvIdOffset + kBlockN * 4 + 1024;
+  // The kernel aligns its base to 1024 bytes (the swizzle's period); dynamic shared memory starts
+  // 16-byte aligned, so that costs at most 1008 bytes (head_dim 256 needs all but a few of them).
+  static constexpr int kSmemBytes = kKvIdOffset + kBlockN * 4 + 1008;
 
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>);
-  static_assert(kD == 64 || kD == 128, "head_dim 64 and 128 only");
+  static_assert(kD == 64 || kD == 128 || kD == 256, "head_dim 64, 128 and 256 only");
   static_assert(kBlockM * 2 == kRowBytes, "dS^T rows must be exactly one swizzle span");
   static_assert(kKVPanelBytes % 1024 == 0 && kQPanelBytes % 1024 == 0 && kDsBytes % 1024 == 0 &&
                 kDqBoxBytes % 1024 == 0);
   static_assert(kDqCols == 64 || kDqCols == 32, "dQ GEMMs are m64n64 or m64n32");
+  static_assert(kDkCols == 128 || kDkCols == 64, "dV / dK GEMMs are m64n128 or m64n64");
+  static_assert(kSCols == 64 || kSCols == 32, "S^T GEMMs are m64n64 or m64n32");
   static_assert(kRowStatBytes % 16 == 0, "headers are read as 16-byte vectors");
   static_assert(kBlockM % kSegmentChunk == 0 && kBlockN % kSegmentChunk == 0);
   static_assert(kSmemBytes <= 227 * 1024);
@@ -324,20 +345,21 @@ __device__ __forceinline__ void zero_tile_rows(uint8_t* tile, int row0) {
 }
 
 // P^T of one pair from S^T (both in s on entry): accumulator element 4i + 2r + e is (key row
-// g + 8r, query column 8i + 2t + e), i.e. tile-local key `key` + 8r and query 8i + 2t + e. On exit
+// g + 8r, query column 8i + 2t + e), i.e. tile-local key `key` + 8r and query q0 + 8i + 2t + e
+// (lse_s and qid_s point at query q0's entries). On exit
 // s holds the factor of dS, P or P (1 - t^2) with soft-capping, and p the 16-bit P packed as it
 // is computed into the register fragments of the dV GEMM (k16 step i / 2, register
 // 2 (i % 2) + r: the layout convert_p produces). With kMask, elements the TileMask (or, with
 // `seg`, the segment ids) hides are selected to 0, never multiplied, so a NaN there cannot leak.
 template <class Tr, bool kMask>
-__device__ __forceinline__ void bwd_probs(float (&s)[Tr::kBlockM / 2],
-                                          uint32_t (&p)[Tr::kBlockM / 16][4], const float* lse_s,
+__device__ __forceinline__ void bwd_probs(float (&s)[Tr::kSCols / 2],
+                                          uint32_t (&p)[Tr::kSCols / 16][4], const float* lse_s,
                                           const int* qid_s, const TileMask& tm, bool seg,
-                                          const int* kvid_s, int key, int t,
+                                          const int* kvid_s, int key, int q0, int t,
                                           const BwdWgmmaArgs& args) {
   using T = typename Tr::Element;
 #pragma unroll
-  for (int i = 0; i < Tr::kBlockM / 8; ++i) {
+  for (int i = 0; i < Tr::kSCols / 8; ++i) {
     const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * i + 2 * t);
     int2 qid = make_int2(0, 0);
     if (kMask && seg) qid = *reinterpret_cast<const int2*>(qid_s + 8 * i + 2 * t);
@@ -361,7 +383,7 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Tr::kBlockM / 2],
       }
       if constexpr (kMask) {
         const int kc = key + 8 * r;
-        const int q = 8 * i + 2 * t;
+        const int q = q0 + 8 * i + 2 * t;
         bool v0 = tm.visible(q, kc);
         bool v1 = tm.visible(q + 1, kc);
         if (seg) {
@@ -386,11 +408,11 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Tr::kBlockM / 2],
 // to 0, since dP^T there may come from a neighbour's V rows; a visible element whose P
 // underflowed to 0 gets 0 either way.
 template <class Tr, bool kMask>
-__device__ __forceinline__ void bwd_dscores(float (&dp)[Tr::kBlockM / 2],
-                                            const float (&w)[Tr::kBlockM / 2], const float* delta_s,
+__device__ __forceinline__ void bwd_dscores(float (&dp)[Tr::kSCols / 2],
+                                            const float (&w)[Tr::kSCols / 2], const float* delta_s,
                                             int t) {
 #pragma unroll
-  for (int i = 0; i < Tr::kBlockM / 8; ++i) {
+  for (int i = 0; i < Tr::kSCols / 8; ++i) {
     const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * i + 2 * t);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -409,14 +431,17 @@ __device__ __forceinline__ void bwd_dscores(float (&dp)[Tr::kBlockM / 2],
 }
 
 // dQ_i of one warpgroup added into dq_accum from registers with vector atomics: the path of the
-// deterministic order (semaphores) and of a packed sequence's last tile, whose rows past the
-// sequence are the neighbour's and must get nothing. Accumulator element 4i + 2r + e is (query
-// row 16 warp + g + 8r, column 8i + 2t + e of the warpgroup's kDqCols).
+// deterministic order (semaphores), of a packed sequence's last tile, whose rows past the
+// sequence are the neighbour's and must get nothing, and of head_dim 256. Accumulator element
+// 4i + 2r + e is (query row 16 warp + g + 8r, column col0 + 8i + 2t + e of the head). A warpgroup
+// whose dQ_i takes several GEMMs (kDqGemms) waits for its deterministic turn before the first
+// (`first`) and passes it on after the last (`last`).
 template <class Tr>
 __device__ __forceinline__ void bwd_dq_atomics(const float (&dq)[Tr::kDqCols / 2],
                                                int64_t dq_offset, int rows, int m0, int cw,
                                                int ctid, const BwdCtaTile* cta_tile,
-                                               const BwdWgmmaArgs& args) {
+                                               const BwdWgmmaArgs& args, int col0, bool first,
+                                               bool last) {
   constexpr int kD = Tr::kD;
   const int dq_lane = ctid % 32;
   // Deterministic: this warpgroup's turn at the tile comes after every higher key tile that
@@ -424,14 +449,14 @@ __device__ __forceinline__ void bwd_dq_atomics(const float (&dq)[Tr::kDqCols / 2
   int32_t* const sem = args.dq_semaphores != nullptr
                            ? args.dq_semaphores + dq_offset / kD * kDqCounters + cw
                            : nullptr;
-  if (sem != nullptr) {
+  if (sem != nullptr && first) {
     if (ctid % 128 == 0) {
       dq_wait_turn(sem, dq_ticket(cta_tile->mask, m0, rows, cta_tile->n0, Tr::kBlockN));
     }
     named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
   }
   // Rows past the sequence get nothing.
-  float* const dq_head = args.dq_accum + dq_offset + (ctid / 128) * Tr::kDqCols + 2 * (dq_lane % 4);
+  float* const dq_head = args.dq_accum + dq_offset + col0 + 2 * (dq_lane % 4);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int q = (ctid % 128) / 32 * 16 + dq_lane / 4 + 8 * r;
@@ -443,9 +468,41 @@ __device__ __forceinline__ void bwd_dq_atomics(const float (&dq)[Tr::kDqCols / 2
       }
     }
   }
-  if (sem != nullptr) {
+  if (sem != nullptr && last) {
     named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
     if (ctid % 128 == 0) dq_pass_turn(sem);
+  }
+}
+
+// A 16-bit operand tile of kBlockN key rows x kBlockM queries (dS^T, or P^T where the
+// warpgroups exchange it), 128-byte swizzled rows: a warp's fragments f (accumulator layout,
+// k16 step i / 2, register 2 (i % 2) + r: key row row0 + g + 8r, queries 8 (chunk0 + i) + 2t, +1)
+// go to 16-byte chunk chunk0 + i of the row, swizzled by the row's position in its 8-row group,
+// which is g.
+template <int kSteps>
+__device__ __forceinline__ void store_operand_tile(uint8_t* tile, const uint32_t (&f)[kSteps][4],
+                                                   int row0, int chunk0, int g, int t) {
+#pragma unroll
+  for (int i = 0; i < 2 * kSteps; ++i) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      *reinterpret_cast<uint32_t*>(tile + (row0 + g + 8 * r) * 128 + (((chunk0 + i) ^ g) * 16) +
+                                   t * 4) = f[i / 2][2 * (i % 2) + r];
+    }
+  }
+}
+
+// The register fragments of k16 steps step0 .. step0 + kSteps - 1 (queries) of a warp's 16 key
+// rows row0.. of such a tile, the A operand of a register-sourced wgmma: one ldmatrix.x4 per step,
+// lanes 0-15 addressing the rows at the step's first 8 queries, lanes 16-31 at its last 8.
+template <int kSteps>
+__device__ __forceinline__ void load_operand_tile(uint32_t (&f)[kSteps][4], const uint8_t* tile,
+                                                  int row0, int step0, int lane) {
+  const int row = row0 + (lane & 15);
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+    const int chunk = 2 * (step0 + k) + (lane >> 4);
+    tc::ldmatrix_x4(f[k], tile + row * 128 + ((chunk ^ (row & 7)) * 16));
   }
 }
 
@@ -656,40 +713,49 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   // -------------------------------------------------------------------- consumers
   setmaxnreg_inc<Tr::kConsumerRegs>();
+  constexpr bool kSplitQ = Tr::kSplitQ;
+  constexpr int kSCols = Tr::kSCols;
+  constexpr int kDkCols = Tr::kDkCols;
   const int cw = warpgroup - 1;
   const int g = lane / 4;
   const int t = lane % 4;
+  // The warpgroup's key rows (of the tile), its S^T query columns (of the pair's query tile) and
+  // its dK / dV head-dim columns.
+  const int key_row0 = kSplitQ ? 0 : cw * 64;
+  const int q0 = kSplitQ ? cw * kSCols : 0;
+  const int col0 = kSplitQ ? cw * kDkCols : 0;
   // Tile-local key of accumulator rows r = 0 (and r = 1 at +8) of this thread.
-  const int key = cw * 64 + warp * 16 + g;
+  const int key = key_row0 + warp * 16 + g;
 
-  float dk[kD / 2];
-  float dv[kD / 2];
+  float dk[kDkCols / 2];
+  float dv[kDkCols / 2];
 #pragma unroll
-  for (int i = 0; i < kD / 2; ++i) {
+  for (int i = 0; i < kDkCols / 2; ++i) {
     dk[i] = 0.f;
     dv[i] = 0.f;
   }
 
   if (n_iters > 0) {
-    float s[kBlockM / 2];
-    float dp[kBlockM / 2];
+    float s[kSCols / 2];
+    float dp[kSCols / 2];
     float dq[Tr::kDqCols / 2];
 #pragma unroll
-    for (int i = 0; i < kBlockM / 2; ++i) {
+    for (int i = 0; i < kSCols / 2; ++i) {
       s[i] = 0.f;
       dp[i] = 0.f;
     }
 #pragma unroll
     for (int i = 0; i < Tr::kDqCols / 2; ++i) dq[i] = 0.f;
-    uint32_t p[kBlockM / 16][4];
-    uint32_t ds[kBlockM / 16][4];
+    uint32_t p[kSCols / 16][4];
+    uint32_t ds[kSCols / 16][4];
 
     // A operands of S^T and dP^T: this warpgroup's 64 rows of K and V, K-major.
-    const uint64_t k_desc = smem_desc_sw128(k_smem + cw * 64 * Tr::kRowBytes, 16);
-    const uint64_t v_desc = smem_desc_sw128(v_smem + cw * 64 * Tr::kRowBytes, 16);
-    // B operand of dQ, MN-major: this warpgroup's kDqCols head-dim columns of K, i.e. panel cw
-    // with head_dim 128, or half cw of the single panel with head_dim 64.
-    constexpr int kDqColBytes = Tr::kDqCols * 2;
+    const uint64_t k_desc = smem_desc_sw128(k_smem + key_row0 * Tr::kRowBytes, 16);
+    const uint64_t v_desc = smem_desc_sw128(v_smem + key_row0 * Tr::kRowBytes, 16);
+    // B operand of dQ, MN-major: this warpgroup's first kDqCols head-dim columns of K, i.e.
+    // panel cw with head_dim 128, half cw of the single panel with head_dim 64, panel 2 cw with
+    // head_dim 256 (whose second dQ GEMM takes the next panel).
+    constexpr int kDqColBytes = Tr::kDqCols * Tr::kDqGemms * 2;
     const uint64_t k_mn_desc = smem_desc_sw128(
         k_smem + cw * kDqColBytes / Tr::kRowBytes * Tr::kKVPanelBytes + cw * kDqColBytes % 128,
         Tr::kKVPanelBytes);
@@ -711,10 +777,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const int stage = slot % kStages;
       const uint32_t q_stage = q_smem + stage * Tr::kQStageBytes;
       const uint32_t do_stage = do_smem + stage * Tr::kQStageBytes;
-      const uint64_t q_desc = smem_desc_sw128(q_stage, 16);
-      const uint64_t do_desc = smem_desc_sw128(do_stage, 16);
-      const uint64_t q_mn_desc = smem_desc_sw128(q_stage, Tr::kQPanelBytes);
-      const uint64_t do_mn_desc = smem_desc_sw128(do_stage, Tr::kQPanelBytes);
+      const uint64_t q_desc = smem_desc_sw128(q_stage + q0 * Tr::kRowBytes, 16);
+      const uint64_t do_desc = smem_desc_sw128(do_stage + q0 * Tr::kRowBytes, 16);
+      // B operands of dK and dV, MN-major: the warpgroup's kDkCols columns of Q and dO.
+      const uint32_t col_panel = col0 / Tr::kPanelCols * Tr::kQPanelBytes;
+      const uint64_t q_mn_desc = smem_desc_sw128(q_stage + col_panel, Tr::kQPanelBytes);
+      const uint64_t do_mn_desc = smem_desc_sw128(do_stage + col_panel, Tr::kQPanelBytes);
       const BwdPairHeader* const hdr = stage_header(stage);
 
       mbar_wait(bar_full(stage), (slot / kStages) & 1);
@@ -732,9 +800,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
       // S^T = K Q^T and dP^T = V dO^T over the head dimension, 16 columns per wgmma.
       wgmma_fence();
-      wgmma_ss_kmajor<kBlockM, kD, Tr::kKVPanelBytes, Tr::kQPanelBytes, T>(s, k_desc, q_desc);
+      wgmma_ss_kmajor<kSCols, kD, Tr::kKVPanelBytes, Tr::kQPanelBytes, T>(s, k_desc, q_desc);
       wgmma_commit();
-      wgmma_ss_kmajor<kBlockM, kD, Tr::kKVPanelBytes, Tr::kQPanelBytes, T>(dp, v_desc, do_desc);
+      wgmma_ss_kmajor<kSCols, kD, Tr::kKVPanelBytes, Tr::kQPanelBytes, T>(dp, v_desc, do_desc);
       wgmma_commit();
 
       // Groups retire in order: with dP^T pending, S^T is done.
@@ -743,116 +811,182 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // P^T and dS^T on the unmasked path or, for a masked pair, with element masking (the two
       // are separate copies so that unmasked pairs pay nothing for the mask).
       if (flags & kPairMasked) {
-        bwd_probs<Tr, true>(s, p, stage_lse(stage), stage_qid(stage), hdr->mask,
-                            kMasked && (flags & kPairSegments) != 0, kvid_s, key, t, args);
+        bwd_probs<Tr, true>(s, p, stage_lse(stage) + q0, stage_qid(stage) + q0, hdr->mask,
+                            kMasked && (flags & kPairSegments) != 0, kvid_s, key, q0, t, args);
       } else {
-        bwd_probs<Tr, false>(s, p, stage_lse(stage), stage_qid(stage), hdr->mask, false, kvid_s,
-                             key, t, args);
+        bwd_probs<Tr, false>(s, p, stage_lse(stage) + q0, stage_qid(stage) + q0, hdr->mask, false,
+                             kvid_s, key, q0, t, args);
       }
 
-      // dV += P^T dO over the tile's queries, 16 per wgmma, with dO as the MN-major B operand
-      // (head_dim contiguous, as V in the forward's O += P V); it runs under the dS math, the
-      // dS^T stores and the barrier below.
-      wgmma_fence();
-      wgmma_rs_mn<kD, kBlockM / 16, T>(dv, p, do_mn_desc);
-      wgmma_commit();
-
-      // Leaving one group pending means dP^T is done while dV may still run.
-      wgmma_wait<1>();
-      fence_operand(dp);
-      if (flags & kPairMasked) {
-        bwd_dscores<Tr, true>(dp, s, stage_delta(stage), t);
-      } else {
-        bwd_dscores<Tr, false>(dp, s, stage_delta(stage), t);
-      }
-      convert_p<kBlockM, T>(dp, ds);
-
-      // dS^T to shared memory: key row kr of the 128-key tile, query pair (8i + 2t, +1) in chunk i
-      // of the row, swizzled to chunk i ^ (kr % 8) = i ^ g. Two buffers alternate: a warpgroup
-      // can only reach pair slot + 2 (which rewrites buffer slot % 2) after both passed the
-      // barrier of slot + 1, i.e. after both waited for their dQ GEMM of slot.
+      // Two buffers of each exchanged tile alternate: a warpgroup can only reach pair slot + 2
+      // (which rewrites buffer slot % 2) after both passed the barrier of slot + 1, i.e. after
+      // both waited for their GEMMs of slot, which read the tiles.
       const int buf = slot & 1;
       uint8_t* const ds_tile = smem + Tr::kDsOffset + buf * Tr::kDsBytes;
-#pragma unroll
-      for (int i = 0; i < kBlockM / 8; ++i) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int kr = cw * 64 + warp * 16 + g + 8 * r;
-          *reinterpret_cast<uint32_t*>(ds_tile + kr * Tr::kRowBytes + ((i ^ g) * 16) + t * 4) =
-              ds[i / 2][2 * (i % 2) + r];
-        }
-      }
-      fence_proxy_async_smem();
-      // The warpgroup's dQ staging buffer is rewritten below: its previous TMA reduction must
-      // have read it (the barrier passes that on to the other threads).
-      if (tid == 0) tma_wait_read();
-      named_barrier_sync(kBwdBarConsumers, 128 * Tr::kConsumerWarpgroups);
-
-      // dQ_i (64 queries x kDqCols head-dim columns) = dS K over the 128 keys: A = dS^T read as
-      // MN-major dS, B = K MN-major; both advance 16 key rows per wgmma. Then dK += dS^T Q (Q as
-      // the MN-major B operand), which runs while dQ_i leaves.
       const uint64_t ds_desc =
           smem_desc_sw128(ds_smem + buf * Tr::kDsBytes, static_cast<uint32_t>(Tr::kDsBytes));
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < kBlockN / 16; ++k) {
-        wgmma_ss_trans<T, Tr::kDqCols>(dq, desc_advance(ds_desc, k * 16 * Tr::kRowBytes),
-                                       desc_advance(k_mn_desc, k * 16 * Tr::kRowBytes),
-                                       k > 0 ? 1u : 0u);
-      }
-      wgmma_commit();
-      wgmma_rs_mn<kD, kBlockM / 16, T>(dk, ds, q_mn_desc);
-      wgmma_commit();
-      wgmma_wait<1>();
-      fence_operand(dq);
-      // The header is read before the release lets the producer rewrite it.
-      const int64_t dq_offset = hdr->dq_offset;
-      const int rows = hdr->rows;
-      const int m0 = hdr->m0;
-      const int head = hdr->head;
-
-      // The thread's position is re-read here (volatile) so that the compiler computes these
-      // addresses now, when s and dP^T are dead, instead of keeping them live across the loop.
-      const int ctid = fresh_thread_index() - 128;
-      const int dq_lane = ctid % 32;
-      // dq accumulator element 4i + 2r + e is (query row 16 warp + g + 8r, column 8i + 2t + e of
-      // the warpgroup's kDqCols: kDqCols cw + 8i + 2t + e of the head).
-      if (args.dq_semaphores == nullptr && (flags & kPairZeroRows) == 0) {
-        // Staged for a TMA reduction: box i / 4, 128-byte row q, 16-byte chunk 2 (i % 4) + t / 2
-        // swizzled by q % 8 = g, 8 bytes in. Rows past a dense sequence are clipped by the map;
-        // a packed tile's rows past its sequence take the path below.
-        uint8_t* const stage_dq = smem + Tr::kDqOffset + (ctid / 128) * Tr::kDqWgBytes;
-        const int qg = dq_lane / 4;
-        const int qt = dq_lane % 4;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int q = (ctid % 128) / 32 * 16 + qg + 8 * r;
-#pragma unroll
-          for (int i = 0; i < Tr::kDqCols / 8; ++i) {
-            const int chunk = (2 * (i % 4) + qt / 2) ^ qg;
-            *reinterpret_cast<float2*>(stage_dq + (i / 4) * Tr::kDqBoxBytes + q * Tr::kRowBytes +
-                                       chunk * 16 + (qt % 2) * 8) =
-                make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
-          }
+      if constexpr (kSplitQ) {
+        // This warpgroup's P^T columns go to the exchange tile while dP^T finishes.
+        uint8_t* const p_tile = smem + Tr::kPOffset + buf * Tr::kPBytes;
+        store_operand_tile(p_tile, p, warp * 16, q0 / 8, g, t);
+        wgmma_wait<0>();
+        fence_operand(dp);
+        if (flags & kPairMasked) {
+          bwd_dscores<Tr, true>(dp, s, stage_delta(stage) + q0, t);
+        } else {
+          bwd_dscores<Tr, false>(dp, s, stage_delta(stage) + q0, t);
         }
+        convert_p<kSCols, T>(dp, ds);
+        store_operand_tile(ds_tile, ds, warp * 16, q0 / 8, g, t);
+        // dS^T is also read by the dQ GEMMs, through the async proxy.
         fence_proxy_async_smem();
-        named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
-        if (ctid % 128 == 0) {
-          const uint32_t src = tc::smem_addr(stage_dq);
-          const int col = (ctid / 128) * Tr::kDqCols;
-          const int row = static_cast<int>((varlen ? cta_tile->span.q_start : 0) + m0);
-          const int batch = varlen ? 0 : static_cast<int>(cta_tile->span.seq);
+        named_barrier_sync(kBwdBarConsumers, 128 * Tr::kConsumerWarpgroups);
+        // The other warpgroup's query columns of P^T and dS^T.
+        const int q_other = kSCols - q0;
+        uint32_t p_other[kSCols / 16][4];
+        uint32_t ds_other[kSCols / 16][4];
+        load_operand_tile(p_other, p_tile, warp * 16, q_other / 16, lane);
+        load_operand_tile(ds_other, ds_tile, warp * 16, q_other / 16, lane);
+
+        // dQ_i, first kDqCols columns = dS K over the tile's 64 keys (A = dS^T read as MN-major
+        // dS, B = K MN-major), then dV += P^T dO and dK += dS^T Q over the tile's queries (this
+        // warpgroup's columns first, from registers, then the other's): the dQ atomics run under
+        // dV and dK.
+        wgmma_fence();
 #pragma unroll
-          for (int b = 0; b < Tr::kDqBoxes; ++b) {
-            tma_reduce_add_4d(&tm_dq, src + b * Tr::kDqBoxBytes, col + 32 * b, head, row, batch);
-          }
-          tma_commit();
+        for (int k = 0; k < kBlockN / 16; ++k) {
+          wgmma_ss_trans<T, Tr::kDqCols>(dq, desc_advance(ds_desc, k * 16 * Tr::kRowBytes),
+                                         desc_advance(k_mn_desc, k * 16 * Tr::kRowBytes),
+                                         k > 0 ? 1u : 0u);
         }
+        wgmma_commit();
+        wgmma_rs_mn<kDkCols, kSCols / 16, T>(dv, p, desc_advance(do_mn_desc, q0 * Tr::kRowBytes));
+        wgmma_rs_mn<kDkCols, kSCols / 16, T>(dv, p_other,
+                                             desc_advance(do_mn_desc, q_other * Tr::kRowBytes));
+        wgmma_rs_mn<kDkCols, kSCols / 16, T>(dk, ds, desc_advance(q_mn_desc, q0 * Tr::kRowBytes));
+        wgmma_rs_mn<kDkCols, kSCols / 16, T>(dk, ds_other,
+                                             desc_advance(q_mn_desc, q_other * Tr::kRowBytes));
+        wgmma_commit();
+        // The header is read before the release lets the producer rewrite it.
+        const int64_t dq_offset = hdr->dq_offset;
+        const int rows = hdr->rows;
+        const int m0 = hdr->m0;
+        const int ctid = fresh_thread_index() - 128;
+#pragma unroll
+        for (int h = 0; h < Tr::kDqGemms; ++h) {
+          if (h > 0) {
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < kBlockN / 16; ++k) {
+              wgmma_ss_trans<T, Tr::kDqCols>(
+                  dq, desc_advance(ds_desc, k * 16 * Tr::kRowBytes),
+                  desc_advance(k_mn_desc, h * Tr::kKVPanelBytes + k * 16 * Tr::kRowBytes),
+                  k > 0 ? 1u : 0u);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+          } else {
+            wgmma_wait<1>();
+          }
+          fence_operand(dq);
+          bwd_dq_atomics<Tr>(dq, dq_offset, rows, m0, cw, ctid, cta_tile, args,
+                             col0 + h * Tr::kDqCols, h == 0, h == Tr::kDqGemms - 1);
+        }
+        wgmma_wait<0>();
+        fence_operand(p_other);
+        fence_operand(ds_other);
       } else {
-        bwd_dq_atomics<Tr>(dq, dq_offset, rows, m0, cw, ctid, cta_tile, args);
+        // dV += P^T dO over the tile's queries, 16 per wgmma, with dO as the MN-major B operand
+        // (head_dim contiguous, as V in the forward's O += P V); it runs under the dS math, the
+        // dS^T stores and the barrier below.
+        wgmma_fence();
+        wgmma_rs_mn<kDkCols, kBlockM / 16, T>(dv, p, do_mn_desc);
+        wgmma_commit();
+
+        // Leaving one group pending means dP^T is done while dV may still run.
+        wgmma_wait<1>();
+        fence_operand(dp);
+        if (flags & kPairMasked) {
+          bwd_dscores<Tr, true>(dp, s, stage_delta(stage), t);
+        } else {
+          bwd_dscores<Tr, false>(dp, s, stage_delta(stage), t);
+        }
+        convert_p<kBlockM, T>(dp, ds);
+
+        // dS^T to shared memory: key row kr of the 128-key tile, query pair (8i + 2t, +1) in
+        // chunk i of the row, swizzled to chunk i ^ (kr % 8) = i ^ g.
+        store_operand_tile(ds_tile, ds, key_row0 + warp * 16, 0, g, t);
+        fence_proxy_async_smem();
+        // The warpgroup's dQ staging buffer is rewritten below: its previous TMA reduction must
+        // have read it (the barrier passes that on to the other threads).
+        if (tid == 0) tma_wait_read();
+        named_barrier_sync(kBwdBarConsumers, 128 * Tr::kConsumerWarpgroups);
+
+        // dQ_i (64 queries x kDqCols head-dim columns) = dS K over the 128 keys: A = dS^T read as
+        // MN-major dS, B = K MN-major; both advance 16 key rows per wgmma. Then dK += dS^T Q (Q
+        // as the MN-major B operand), which runs while dQ_i leaves.
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < kBlockN / 16; ++k) {
+          wgmma_ss_trans<T, Tr::kDqCols>(dq, desc_advance(ds_desc, k * 16 * Tr::kRowBytes),
+                                         desc_advance(k_mn_desc, k * 16 * Tr::kRowBytes),
+                                         k > 0 ? 1u : 0u);
+        }
+        wgmma_commit();
+        wgmma_rs_mn<kDkCols, kBlockM / 16, T>(dk, ds, q_mn_desc);
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_operand(dq);
+        // The header is read before the release lets the producer rewrite it.
+        const int64_t dq_offset = hdr->dq_offset;
+        const int rows = hdr->rows;
+        const int m0 = hdr->m0;
+        const int head = hdr->head;
+
+        // The thread's position is re-read here (volatile) so that the compiler computes these
+        // addresses now, when s and dP^T are dead, instead of keeping them live across the loop.
+        const int ctid = fresh_thread_index() - 128;
+        const int dq_lane = ctid % 32;
+        // dq accumulator element 4i + 2r + e is (query row 16 warp + g + 8r, column 8i + 2t + e
+        // of the warpgroup's kDqCols: kDqCols cw + 8i + 2t + e of the head).
+        if (Tr::kDqStaged && args.dq_semaphores == nullptr && (flags & kPairZeroRows) == 0) {
+          // Staged for a TMA reduction: box i / 4, 128-byte row q, 16-byte chunk 2 (i % 4) + t / 2
+          // swizzled by q % 8 = g, 8 bytes in. Rows past a dense sequence are clipped by the map;
+          // a packed tile's rows past its sequence take the path below.
+          uint8_t* const stage_dq = smem + Tr::kDqOffset + (ctid / 128) * Tr::kDqWgBytes;
+          const int qg = dq_lane / 4;
+          const int qt = dq_lane % 4;
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int q = (ctid % 128) / 32 * 16 + qg + 8 * r;
+#pragma unroll
+            for (int i = 0; i < Tr::kDqCols / 8; ++i) {
+              const int chunk = (2 * (i % 4) + qt / 2) ^ qg;
+              *reinterpret_cast<float2*>(stage_dq + (i / 4) * Tr::kDqBoxBytes + q * Tr::kRowBytes +
+                                         chunk * 16 + (qt % 2) * 8) =
+                  make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+            }
+          }
+          fence_proxy_async_smem();
+          named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
+          if (ctid % 128 == 0) {
+            const uint32_t src = tc::smem_addr(stage_dq);
+            const int col = (ctid / 128) * Tr::kDqCols;
+            const int row = static_cast<int>((varlen ? cta_tile->span.q_start : 0) + m0);
+            const int batch = varlen ? 0 : static_cast<int>(cta_tile->span.seq);
+#pragma unroll
+            for (int b = 0; b < Tr::kDqBoxes; ++b) {
+              tma_reduce_add_4d(&tm_dq, src + b * Tr::kDqBoxBytes, col + 32 * b, head, row, batch);
+            }
+            tma_commit();
+          }
+        } else {
+          bwd_dq_atomics<Tr>(dq, dq_offset, rows, m0, cw, ctid, cta_tile, args, cw * Tr::kDqCols,
+                             true, true);
+        }
+        // dK += dS^T Q is done with Q and dS^T: the stage goes back to the producer.
+        wgmma_wait<0>();
       }
-      // dK += dS^T Q is done with Q and dS^T: the stage goes back to the producer.
-      wgmma_wait<0>();
       fence_operand(dk);
       fence_operand(dv);
       fence_operand(p);
@@ -864,8 +998,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if (tid == 0) tma_wait_all();
   }
 
-  // Epilogue: dK = scale * dS^T Q, dV, element 4i + 2r + e at (key row g + 8r, column 8i + 2t + e).
-  // A CTA with no visible query still writes its zeros; keys past the sequence are a neighbour's.
+  // Epilogue: dK = scale * dS^T Q, dV, element 4i + 2r + e at (key row g + 8r, column
+  // col0 + 8i + 2t + e). A CTA with no visible query still writes its zeros; keys past the
+  // sequence are a neighbour's.
   const int keys = static_cast<int>(cta_tile->span.len_k - cta_tile->n0);
   if (!varlen || keys >= kBlockN) {
     // Through shared memory and TMA stores (whole 128-byte rows, where the stores below write
@@ -877,13 +1012,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int etid = fresh_thread_index() - 128;
     const int eg = etid % 32 / 4;
     const int et = etid % 4;
+    const int e_row0 = kSplitQ ? 0 : etid / 128 * 64;
+    const int e_panel0 = kSplitQ ? etid / 128 * (kDkCols / Tr::kPanelCols) : 0;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int kr = etid / 32 * 16 + eg + 8 * r;
+      const int kr = e_row0 + etid % 128 / 32 * 16 + eg + 8 * r;
 #pragma unroll
-      for (int i = 0; i < kD / 8; ++i) {
-        const int at =
-            (i / 8) * Tr::kKVPanelBytes + kr * Tr::kRowBytes + ((i % 8) ^ eg) * 16 + et * 4;
+      for (int i = 0; i < kDkCols / 8; ++i) {
+        const int at = (e_panel0 + i / 8) * Tr::kKVPanelBytes + kr * Tr::kRowBytes +
+                       ((i % 8) ^ eg) * 16 + et * 4;
         *reinterpret_cast<uint32_t*>(smem + Tr::kKOffset + at) =
             tc::pack2<T>(dk[4 * i + 2 * r] * args.scale, dk[4 * i + 2 * r + 1] * args.scale);
         *reinterpret_cast<uint32_t*>(smem + Tr::kVOffset + at) =
@@ -894,13 +1031,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
     if (tid == 0) {
       const int row =
-          static_cast<int>((varlen ? cta_tile->span.k_start : 0) + cta_tile->n0) + cw * 64;
+          static_cast<int>((varlen ? cta_tile->span.k_start : 0) + cta_tile->n0) + key_row0;
       const int batch = varlen ? 0 : static_cast<int>(cta_tile->span.seq);
 #pragma unroll
-      for (int p = 0; p < Tr::kPanels; ++p) {
-        const uint32_t at = p * Tr::kKVPanelBytes + cw * 64 * Tr::kRowBytes;
-        tma_store_4d(&tm_dk, k_smem + at, p * Tr::kPanelCols, cta_tile->head_kv, row, batch);
-        tma_store_4d(&tm_dv, v_smem + at, p * Tr::kPanelCols, cta_tile->head_kv, row, batch);
+      for (int p = 0; p < kDkCols / Tr::kPanelCols; ++p) {
+        const int panel = col0 / Tr::kPanelCols + p;
+        const uint32_t at = panel * Tr::kKVPanelBytes + key_row0 * Tr::kRowBytes;
+        tma_store_4d(&tm_dk, k_smem + at, panel * Tr::kPanelCols, cta_tile->head_kv, row, batch);
+        tma_store_4d(&tm_dv, v_smem + at, panel * Tr::kPanelCols, cta_tile->head_kv, row, batch);
       }
       tma_store_commit_and_wait_read();
     }
@@ -913,9 +1051,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   for (int r = 0; r < 2; ++r) {
     const int kr = key + 8 * r;
     if (kr >= keys) continue;
-    const int64_t off = ((k_row0 + kr) * args.heads_kv + cta_tile->head_kv) * kD + 2 * t;
+    const int64_t off = ((k_row0 + kr) * args.heads_kv + cta_tile->head_kv) * kD + col0 + 2 * t;
 #pragma unroll
-    for (int i = 0; i < kD / 8; ++i) {
+    for (int i = 0; i < kDkCols / 8; ++i) {
       *reinterpret_cast<uint32_t*>(dk_out + off + 8 * i) =
           tc::pack2<T>(dk[4 * i + 2 * r] * args.scale, dk[4 * i + 2 * r + 1] * args.scale);
       *reinterpret_cast<uint32_t*>(dv_out + off + 8 * i) =

@@ -360,7 +360,8 @@ __device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) 
 #define JF_DC13 "%104, %105, %106, %107, %108, %109, %110, %111"
 #define JF_DC14 "%112, %113, %114, %115, %116, %117, %118, %119"
 #define JF_DC15 "%120, %121, %122, %123, %124, %125, %126, %127"
-#define JF_DP4 JF_DC0 ", " JF_DC1 ", " JF_DC2 ", " JF_DC3
+#define JF_DP2 JF_DC0 ", " JF_DC1
+#define JF_DP4 JF_DP2 ", " JF_DC2 ", " JF_DC3
 #define JF_DP5 JF_DP4 ", " JF_DC4
 #define JF_DP8 JF_DP4 ", " JF_DC4 ", " JF_DC5 ", " JF_DC6 ", " JF_DC7
 #define JF_DP11 JF_DP8 ", " JF_DC8 ", " JF_DC9 ", " JF_DC10
@@ -369,6 +370,7 @@ __device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) 
 #define JF_F1_AT(d, i)                                                                      \
   "+f"(d[(i) + 0]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), "+f"(d[(i) + 4]), \
       "+f"(d[(i) + 5]), "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
+#define JF_F2(d) JF_F1_AT(d, 0), JF_F1_AT(d, 8)
 #define JF_F4_AT(d, i) \
   JF_F1_AT(d, (i) + 0), JF_F1_AT(d, (i) + 8), JF_F1_AT(d, (i) + 16), JF_F1_AT(d, (i) + 24)
 #define JF_F4(d) JF_F4_AT(d, 0)
@@ -415,8 +417,11 @@ template <int kN, typename T>
 __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b,
                                          uint32_t scale_d) {
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-  static_assert(kN == 64 || kN == 80 || kN == 128 || kN == 176, "no wgmma_ss wrapper for this N");
-  if constexpr (kN == 64) {
+  static_assert(kN == 32 || kN == 64 || kN == 80 || kN == 128 || kN == 176,
+                "no wgmma_ss wrapper for this N");
+  if constexpr (kN == 32) {
+    JF_SS_CASE(32, JF_DP2, JF_F2, 16, 17, 18)
+  } else if constexpr (kN == 64) {
     JF_SS_CASE(64, JF_DP4, JF_F4, 32, 33, 34)
   } else if constexpr (kN == 80) {
     JF_SS_CASE(80, JF_DP5, JF_F5, 40, 41, 42)
@@ -451,12 +456,14 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[kN / 2], const uint32_t (&a)
 #undef JF_F5
 #undef JF_F4
 #undef JF_F4_AT
+#undef JF_F2
 #undef JF_F1_AT
 #undef JF_DP16
 #undef JF_DP11
 #undef JF_DP8
 #undef JF_DP5
 #undef JF_DP4
+#undef JF_DP2
 #undef JF_DC0
 #undef JF_DC1
 #undef JF_DC2

@@ -1,5 +1,5 @@
 // Chooses the kernel family by element type and device: for f16/bf16 the Hopper wgmma kernels
-// where they apply (sm_90; forward at head_dim 64/128/256, backward at 64/128) and the mma.sync
+// where they apply (sm_90; head_dim 64/128/256, forward and backward) and the mma.sync
 // kernels elsewhere; exact scalar math for f32/f64 (no silent TF32). Every family implements the
 // whole mask policy (common/mask.h) and both layouts (common/schedule.h), so the choice depends on
 // the device and the shape only, never on which features a call uses.
