@@ -715,10 +715,14 @@ void time_case(const char* label, const Case& c) {
 
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
-  // --time-only: only the timed cases (for a profiler, which then sees no correctness launches).
+  // --time-only [D]: only the timed cases (for a profiler, which then sees no correctness
+  // launches), of head_dim D if given.
   const bool time_only = argc > 1 && std::strcmp(argv[1], "--time-only") == 0;
   if (time_only) {
+    // An optional head_dim after --time-only times only that one.
+    const int only_d = argc > 2 ? std::atoi(argv[2]) : 0;
     for (int d : {128, 64, 256}) {
+      if (only_d != 0 && d != only_d) continue;
       const int h = 2048 / d;
       time_case("unmasked", dense(4, 4096, 4096, h, h, d));
       time_case("causal", dense(4, 4096, 4096, h, h, d, -1, 0));
