@@ -506,6 +506,26 @@ __device__ __forceinline__ void load_operand_tile(uint32_t (&f)[kSteps][4], cons
   }
 }
 
+// dQ_i accumulators of kCols columns staged for TMA reductions: 32-column float32 boxes of 64
+// 128-byte rows (8 KB apart from `boxes` on), element 4i + 2r + e of query row q = 16 warp + g +
+// 8r in box i / 4, 16-byte chunk 2 (i % 4) + t / 2 swizzled by q % 8 = g, 8 bytes in.
+template <int kCols>
+__device__ __forceinline__ void stage_dq_boxes(uint8_t* boxes, const float (&dq)[kCols / 2],
+                                               int ctid) {
+  const int qg = ctid % 32 / 4;
+  const int qt = ctid % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int q = (ctid % 128) / 32 * 16 + qg + 8 * r;
+#pragma unroll
+    for (int i = 0; i < kCols / 8; ++i) {
+      const int chunk = (2 * (i % 4) + qt / 2) ^ qg;
+      *reinterpret_cast<float2*>(boxes + (i / 4) * 8192 + q * 128 + chunk * 16 + (qt % 2) * 8) =
+          make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+    }
+  }
+}
+
 #endif  // JAX_FLASH_SM90A
 
 // Warpgroup 0 is the producer (only its warp 0 works), warpgroups 1 and 2 the consumers.
@@ -773,6 +793,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
     }
 
+    // Head_dim 256: the stage whose Q / dO panels this thread's TMA reductions still read (the
+    // thread releases it later than the others), or -1.
+    int pending_release = -1;
     for (int slot = 0;; ++slot) {
       const int stage = slot % kStages;
       const uint32_t q_stage = q_smem + stage * Tr::kQStageBytes;
@@ -804,6 +827,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       wgmma_commit();
       wgmma_ss_kmajor<kSCols, kD, Tr::kKVPanelBytes, Tr::kQPanelBytes, T>(dp, v_desc, do_desc);
       wgmma_commit();
+      if (kSplitQ && pending_release >= 0) {
+        // The previous pair's reductions have had S^T and dP^T's issue to read their panels.
+        tma_wait_read();
+        mbar_arrive(bar_empty(pending_release));
+        pending_release = -1;
+      }
 
       // Groups retire in order: with dP^T pending, S^T is done.
       wgmma_wait<1>();
@@ -848,53 +877,71 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         load_operand_tile(p_other, p_tile, warp * 16, q_other / 16, lane);
         load_operand_tile(ds_other, ds_tile, warp * 16, q_other / 16, lane);
 
-        // dQ_i, first kDqCols columns = dS K over the tile's 64 keys (A = dS^T read as MN-major
-        // dS, B = K MN-major), then dV += P^T dO and dK += dS^T Q over the tile's queries (this
-        // warpgroup's columns first, from registers, then the other's): the dQ atomics run under
-        // dV and dK.
+        // dV += P^T dO and dK += dS^T Q over the tile's queries (this warpgroup's columns first,
+        // from registers, then the other's), then dQ_i = dS K over the tile's 64 keys, kDqCols
+        // columns per GEMM (A = dS^T read as MN-major dS, B = K MN-major).
         wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < kBlockN / 16; ++k) {
-          wgmma_ss_trans<T, Tr::kDqCols>(dq, desc_advance(ds_desc, k * 16 * Tr::kRowBytes),
-                                         desc_advance(k_mn_desc, k * 16 * Tr::kRowBytes),
-                                         k > 0 ? 1u : 0u);
-        }
-        wgmma_commit();
         wgmma_rs_mn<kDkCols, kSCols / 16, T>(dv, p, desc_advance(do_mn_desc, q0 * Tr::kRowBytes));
         wgmma_rs_mn<kDkCols, kSCols / 16, T>(dv, p_other,
                                              desc_advance(do_mn_desc, q_other * Tr::kRowBytes));
         wgmma_rs_mn<kDkCols, kSCols / 16, T>(dk, ds, desc_advance(q_mn_desc, q0 * Tr::kRowBytes));
         wgmma_rs_mn<kDkCols, kSCols / 16, T>(dk, ds_other,
                                              desc_advance(q_mn_desc, q_other * Tr::kRowBytes));
-        wgmma_commit();
         // The header is read before the release lets the producer rewrite it.
         const int64_t dq_offset = hdr->dq_offset;
         const int rows = hdr->rows;
         const int m0 = hdr->m0;
+        const int head = hdr->head;
         const int ctid = fresh_thread_index() - 128;
+        // There is no shared memory left for a dQ staging buffer, but once this warpgroup's dV
+        // and dK are done, the panels of Q and dO holding its columns are dead: the other
+        // warpgroup reads only its own columns after the exchange barrier. dQ_i's first kDqCols
+        // columns are staged in the Q panels, the next in the dO panels, and the stage goes back
+        // to the producer only once the TMA reductions have read them. Packed tails and the
+        // deterministic order add from registers instead.
+        const bool staged = args.dq_semaphores == nullptr && (flags & kPairZeroRows) == 0;
+        static_assert(Tr::kDqGemms == 2 && Tr::kDqCols == 2 * 32 && Tr::kQPanelBytes == 8192,
+                      "each dQ GEMM fills the two panels of Q or dO that hold its columns");
 #pragma unroll
         for (int h = 0; h < Tr::kDqGemms; ++h) {
-          if (h > 0) {
-            wgmma_fence();
+          wgmma_fence();
 #pragma unroll
-            for (int k = 0; k < kBlockN / 16; ++k) {
-              wgmma_ss_trans<T, Tr::kDqCols>(
-                  dq, desc_advance(ds_desc, k * 16 * Tr::kRowBytes),
-                  desc_advance(k_mn_desc, h * Tr::kKVPanelBytes + k * 16 * Tr::kRowBytes),
-                  k > 0 ? 1u : 0u);
-            }
-            wgmma_commit();
-            wgmma_wait<0>();
-          } else {
-            wgmma_wait<1>();
+          for (int k = 0; k < kBlockN / 16; ++k) {
+            wgmma_ss_trans<T, Tr::kDqCols>(
+                dq, desc_advance(ds_desc, k * 16 * Tr::kRowBytes),
+                desc_advance(k_mn_desc, h * Tr::kKVPanelBytes + k * 16 * Tr::kRowBytes),
+                k > 0 ? 1u : 0u);
           }
+          wgmma_commit();
+          wgmma_wait<0>();
           fence_operand(dq);
-          bwd_dq_atomics<Tr>(dq, dq_offset, rows, m0, cw, ctid, cta_tile, args,
-                             col0 + h * Tr::kDqCols, h == 0, h == Tr::kDqGemms - 1);
+          if (staged) {
+            uint8_t* const panels = smem + (h == 0 ? Tr::kQOffset : Tr::kDoOffset) +
+                                    stage * Tr::kQStageBytes + col_panel;
+            stage_dq_boxes<Tr::kDqCols>(panels, dq, ctid);
+          } else {
+            bwd_dq_atomics<Tr>(dq, dq_offset, rows, m0, cw, ctid, cta_tile, args,
+                               col0 + h * Tr::kDqCols, h == 0, h == Tr::kDqGemms - 1);
+          }
         }
-        wgmma_wait<0>();
         fence_operand(p_other);
         fence_operand(ds_other);
+        if (staged) {
+          fence_proxy_async_smem();
+          named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
+          if (tid == 0) {
+            const int row = static_cast<int>((varlen ? cta_tile->span.q_start : 0) + m0);
+            const int batch = varlen ? 0 : static_cast<int>(cta_tile->span.seq);
+#pragma unroll
+            for (int b = 0; b < 2 * Tr::kDqGemms; ++b) {
+              const uint32_t src = (b < 2 ? q_stage : do_stage) + col_panel + (b % 2) * 8192;
+              tma_reduce_add_4d(&tm_dq, src, col0 + 32 * b, head, row, batch);
+            }
+            tma_commit();
+            // Released at the next pair, once the reductions have read the panels.
+            pending_release = stage;
+          }
+        }
       } else {
         // dV += P^T dO over the tile's queries, 16 per wgmma, with dO as the MN-major B operand
         // (head_dim contiguous, as V in the forward's O += P V); it runs under the dS math, the
@@ -946,27 +993,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // The thread's position is re-read here (volatile) so that the compiler computes these
         // addresses now, when s and dP^T are dead, instead of keeping them live across the loop.
         const int ctid = fresh_thread_index() - 128;
-        const int dq_lane = ctid % 32;
         // dq accumulator element 4i + 2r + e is (query row 16 warp + g + 8r, column 8i + 2t + e
         // of the warpgroup's kDqCols: kDqCols cw + 8i + 2t + e of the head).
         if (Tr::kDqStaged && args.dq_semaphores == nullptr && (flags & kPairZeroRows) == 0) {
-          // Staged for a TMA reduction: box i / 4, 128-byte row q, 16-byte chunk 2 (i % 4) + t / 2
-          // swizzled by q % 8 = g, 8 bytes in. Rows past a dense sequence are clipped by the map;
-          // a packed tile's rows past its sequence take the path below.
+          // Staged for a TMA reduction. Rows past a dense sequence are clipped by the map; a
+          // packed tile's rows past its sequence take the path below.
           uint8_t* const stage_dq = smem + Tr::kDqOffset + (ctid / 128) * Tr::kDqWgBytes;
-          const int qg = dq_lane / 4;
-          const int qt = dq_lane % 4;
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int q = (ctid % 128) / 32 * 16 + qg + 8 * r;
-#pragma unroll
-            for (int i = 0; i < Tr::kDqCols / 8; ++i) {
-              const int chunk = (2 * (i % 4) + qt / 2) ^ qg;
-              *reinterpret_cast<float2*>(stage_dq + (i / 4) * Tr::kDqBoxBytes + q * Tr::kRowBytes +
-                                         chunk * 16 + (qt % 2) * 8) =
-                  make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
-            }
-          }
+          stage_dq_boxes<Tr::kDqCols>(stage_dq, dq, ctid);
           fence_proxy_async_smem();
           named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
           if (ctid % 128 == 0) {
@@ -991,7 +1024,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       fence_operand(dv);
       fence_operand(p);
       fence_operand(ds);
-      mbar_arrive(bar_empty(stage));
+      if (pending_release != stage) mbar_arrive(bar_empty(stage));
     }
     // Shared memory must outlive the TMA reductions' reads of it; waiting for their writes too
     // leaves nothing in flight when the CTA retires.
