@@ -5,7 +5,8 @@
 //   nvcc -std=c++17 -O3 -I cpp -gencode=arch=compute_90a,code=sm_90a -DJAX_FLASH_BUILT_SM90A=1 \
 //       tools/bwd_wgmma_check.cu \
 //       cpp/cuda/bwd_wgmma.cu cpp/cuda/sm90_host.cu -o bwd_wgmma_check
-// Run: ./bwd_wgmma_check [--quick]   (--quick: correctness only, no timing)
+// Run: ./bwd_wgmma_check [--quick | --det | --time-only]
+//   --quick: correctness only, no timing; --det: only the deterministic cases and timings.
 //
 // Part 1 builds lse and delta = rowsum(dO * O) with a naive float32 forward on the GPU, then
 // compares dQ, dK, dV of bwd_wgmma (bf16) against a naive float32 backward (one thread per query
@@ -21,12 +22,21 @@
 // other sequences must stay finite and correct, padding dQ rows and padding dK / dV keys exactly 0.
 // It fails (exit 1) on a relative L2 error above 2e-2 or any NaN where none belongs.
 //
+// Deterministic cases (dq_semaphores given: each dQ tile gets its key tiles' additions in a fixed
+// order) are checked the same way, and besides run kRepeats times: the fp32 dq_accum and dK, dV of
+// every run must be bitwise identical to the first run's. For comparison the same case is run
+// again without semaphores and whether its dq_accum repeated is printed (information only: the
+// default order may or may not differ between two runs).
+//
 // Part 2 times the standard grid's 4k cells, B=4, S=4096, H = 2048 / D for D = 128, 64, 256, bf16,
 // unmasked and causal, and beside them a causal sliding window, soft-capping, segment ids
 // (document masking) and packed sequences: median of 10 repeats of 10 back-to-back calls;
 // TFLOP/s = 2.5 * 4 * H * D * (visible (query, key) pairs per head) / time (the causal cells
 // count S (S + 1) / 2 pairs where the old driver counted S^2 / 2). lse is log(visible keys) per
-// row and delta 0, as a forward of near-zero scores would give.
+// row and delta 0, as a forward of near-zero scores would give. Then the deterministic order
+// against the default one, unmasked and causal, at B=4 S=4096 (D = 128, 64) and B=1 S=16384 H=16
+// D=128: the backward's extra time in percent of the default backward's (this is the backward
+// alone; the forward, which the flag does not change, would make it a smaller part of both).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -63,6 +73,7 @@ struct Case {
   std::vector<int> runs = {37, 1, 100, 64, 9};  // segment lengths, cycled
   int poison = -1;         // sequence (packed) or batch element (dense) filled with NaN
   bool malformed = false;  // cu_seqlens out of order: only finiteness is checked
+  bool det = false;        // dq_semaphores given: the deterministic order
 };
 
 bool varlen(const Case& c) { return !c.cu_q.empty(); }
@@ -302,6 +313,7 @@ struct Run {
   __nv_bfloat16 *q, *k, *v, *dout, *dq, *dk, *dv;
   float *lse, *delta, *dq_accum, *sinks;
   int *cu_q, *cu_k, *q_ids, *kv_ids, *q_ranges, *kv_ranges;
+  int* sems;                         // [rows_q, hq, 2] (deterministic cases), else nullptr
   std::vector<char> q_skip, k_skip;  // rows of the poisoned sequence: not compared
   std::vector<char> q_zero, k_zero;  // rows past cu_seqlens[N]: must be exactly 0
   float scale;
@@ -369,6 +381,9 @@ Run make_run(const Case& c, uint64_t seed) {
   CHECK_CUDA(cudaMalloc(&run.lse, std::max<int64_t>(ns, 1) * 4));
   CHECK_CUDA(cudaMalloc(&run.delta, std::max<int64_t>(ns, 1) * 4));
   CHECK_CUDA(cudaMalloc(&run.dq_accum, std::max<int64_t>(nq, 1) * 4));
+  // Two counters per dQ row and head (BwdParams::dq_semaphores); the launcher zeroes them.
+  run.sems = nullptr;
+  if (c.det) CHECK_CUDA(cudaMalloc(&run.sems, std::max<int64_t>(ns, 1) * 2 * sizeof(int)));
   run.cu_q = varlen(c) ? to_device(c.cu_q) : nullptr;
   run.cu_k = varlen(c) ? to_device(c.cu_k) : nullptr;
   run.sinks = nullptr;
@@ -402,7 +417,8 @@ void free_run(Run& r) {
         static_cast<void*>(r.dv), static_cast<void*>(r.lse), static_cast<void*>(r.delta),
         static_cast<void*>(r.dq_accum), static_cast<void*>(r.sinks), static_cast<void*>(r.cu_q),
         static_cast<void*>(r.cu_k), static_cast<void*>(r.q_ids), static_cast<void*>(r.kv_ids),
-        static_cast<void*>(r.q_ranges), static_cast<void*>(r.kv_ranges)}) {
+        static_cast<void*>(r.q_ranges), static_cast<void*>(r.kv_ranges),
+        static_cast<void*>(r.sems)}) {
     if (p != nullptr) CHECK_CUDA(cudaFree(p));
   }
 }
@@ -445,6 +461,7 @@ BwdParams make_params(const Run& r) {
   p.dk = r.dk;
   p.dv = r.dv;
   p.dq_accum = r.dq_accum;
+  p.dq_semaphores = r.sems;
   p.heads_q = c.hq;
   p.heads_kv = c.hkv;
   p.head_dim = c.d;
@@ -502,6 +519,7 @@ std::string describe(const Case& c) {
   if (c.segments) s += " segments=" + std::to_string(c.segments);
   if (c.poison >= 0) s += " nan-seq=" + std::to_string(c.poison);
   if (c.malformed) s += " malformed";
+  if (c.det) s += " deterministic";
   return s;
 }
 
@@ -536,6 +554,32 @@ bool all_finite(const std::vector<__nv_bfloat16>& x) {
   }
   return true;
 }
+
+// What one backward call left behind, as bits: the fp32 dq_accum (finer than the rounded dQ, so
+// that an addition in another order shows even where dQ's rounding would hide it), dK and dV.
+struct Outputs {
+  std::vector<float> dq_accum;
+  std::vector<__nv_bfloat16> dk, dv;
+};
+
+Outputs read_outputs(const Run& r) {
+  const int64_t nq = rows_q(r.c) * r.c.hq * r.c.d;
+  const int64_t nk = rows_k(r.c) * r.c.hkv * r.c.d;
+  return Outputs{to_host(r.dq_accum, nq), to_host(r.dk, nk), to_host(r.dv, nk)};
+}
+
+template <typename T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
+}
+
+bool same_bits(const Outputs& a, const Outputs& b) {
+  return same_bits(a.dq_accum, b.dq_accum) && same_bits(a.dk, b.dk) && same_bits(a.dv, b.dv);
+}
+
+// Deterministic calls of one case, after the first.
+constexpr int kRepeats = 3;
 
 void reference(const Run& r, float* rdq, float* rdk, float* rdv) {
   const int64_t threads = rows_q(r.c) * r.c.hq;
@@ -591,6 +635,31 @@ bool check_case(const Case& c, uint64_t seed) {
       ok = std::isfinite(edq) && std::isfinite(edk) && std::isfinite(edv) && worst <= 2e-2;
       std::printf("%s %s  dq %.2e dk %.2e dv %.2e\n", ok ? "ok  " : "FAIL", describe(c).c_str(),
                   edq, edk, edv);
+    }
+    if (c.det) {
+      // Bitwise repeatability: every further run against the first; then the default order twice,
+      // for comparison.
+      const Outputs first = read_outputs(r);
+      int differ = 0;
+      for (int i = 0; i < kRepeats; ++i) {
+        CHECK_CUDA(jax_flash::cuda::bwd_wgmma(p, DType::kBF16, nullptr));
+        CHECK_CUDA(cudaDeviceSynchronize());
+        differ += same_bits(first, read_outputs(r)) ? 0 : 1;
+      }
+      BwdParams unordered = p;
+      unordered.dq_semaphores = nullptr;
+      CHECK_CUDA(jax_flash::cuda::bwd_wgmma(unordered, DType::kBF16, nullptr));
+      CHECK_CUDA(cudaDeviceSynchronize());
+      const Outputs d0 = read_outputs(r);
+      CHECK_CUDA(jax_flash::cuda::bwd_wgmma(unordered, DType::kBF16, nullptr));
+      CHECK_CUDA(cudaDeviceSynchronize());
+      const bool default_repeats = same_bits(d0.dq_accum, read_outputs(r).dq_accum);
+      ok = ok && differ == 0;
+      std::printf(
+          "%s     repeats: %d of %d deterministic runs differ from the first (default "
+          "order: dq_accum %s)\n",
+          differ == 0 ? "ok  " : "FAIL", differ, kRepeats,
+          default_repeats ? "repeated" : "differed");
     }
   }
   CHECK_CUDA(cudaFree(rdq));
@@ -657,7 +726,8 @@ std::vector<int> visible_keys(const Case& c, const std::vector<int>& q_ids,
   return count;
 }
 
-void time_case(const char* label, const Case& c) {
+// Times the backward of `c` and returns the median seconds per call.
+double time_case(const char* label, const Case& c) {
   Run r = make_run(c, 7);
   std::vector<int> qi, ki;
   if (c.segments != 0) {
@@ -709,6 +779,84 @@ void time_case(const char* label, const Case& c) {
   CHECK_CUDA(cudaEventDestroy(start));
   CHECK_CUDA(cudaEventDestroy(stop));
   free_run(r);
+  return t;
+}
+
+// The deterministic order's cost: `c` timed without and with dq_semaphores.
+void time_deterministic(const char* label, Case c) {
+  c.det = false;
+  const double t0 = time_case(label, c);
+  c.det = true;
+  const std::string det_label = std::string(label) + " det";
+  const double t1 = time_case(det_label.c_str(), c);
+  std::printf("cost %-24s H=%d D=%d: deterministic backward %+.1f%% of the default backward\n",
+              label, c.hq, c.d, 100.0 * (t1 - t0) / t0);
+}
+
+void time_deterministic_all() {
+  for (int d : {128, 64, 256}) {
+    const int h = 2048 / d;
+    time_deterministic("B=4 S=4096 unmasked", dense(4, 4096, 4096, h, h, d));
+    time_deterministic("B=4 S=4096 causal", dense(4, 4096, 4096, h, h, d, -1, 0));
+  }
+  time_deterministic("B=1 S=16384 unmasked", dense(1, 16384, 16384, 16, 16, 128));
+  time_deterministic("B=1 S=16384 causal", dense(1, 16384, 16384, 16, 16, 128, -1, 0));
+}
+
+// The deterministic order's correctness cases: dense and packed, every head dim, causal and not,
+// GQA, windows, segment ids (pairs whose ids are disjoint are then visited, fully masked), soft-
+// capping, Sq != Sk, and packed sequences whose last query tile is short (those tiles add from
+// registers, in the same order, beside the staged tiles of the CTA's writer warps).
+std::vector<Case> deterministic_cases() {
+  std::vector<Case> cases;
+  for (int d : {128, 64, 256}) {
+    for (int right : {-1, 0}) {
+      cases.push_back(dense(2, 1000, 1000, 2, 2, d, -1, right));
+      cases.push_back(dense(2, 257, 200, 4, 2, d, -1, right));
+    }
+    cases.push_back(dense(1, 300, 777, 2, 2, d, -1, 0));
+    cases.push_back(dense(1, 777, 300, 2, 2, d, -1, 0));
+    cases.push_back(dense(2, 1000, 1000, 2, 2, d, 100, 0));
+    cases.push_back(dense(1, 700, 700, 4, 2, d, 37, 19));
+  }
+  // Long key-tile chains: 16 key tiles add to every query tile (the reference's dK / dV atomics
+  // keep this short of the timed lengths).
+  cases.push_back(dense(1, 2048, 2048, 1, 1, 128));
+  cases.push_back(dense(1, 2048, 2048, 2, 1, 64, -1, 0));
+  {
+    Case a = dense(2, 300, 300, 2, 2, 128, -1, 0);
+    a.segments = 1;
+    cases.push_back(a);
+    Case b = dense(2, 200, 333, 4, 2, 128);
+    b.segments = 2;
+    cases.push_back(b);
+    Case c = dense(1, 400, 400, 2, 2, 64, 60, 0);
+    c.segments = 2;
+    c.softcap = 0.5f;
+    cases.push_back(c);
+    Case s = dense(2, 257, 257, 2, 2, 128);
+    s.softcap = 0.4f;
+    cases.push_back(s);
+  }
+  {
+    Case a = packed({0, 100, 177, 477, 480}, {0, 100, 177, 477, 480}, 500, 520, 2, 2, 128);
+    a.poison = 1;
+    cases.push_back(a);
+    a.right = 0;
+    cases.push_back(a);
+    a.d = 64;
+    cases.push_back(a);
+    Case b = packed({0, 50, 50, 350, 351, 600}, {0, 130, 140, 400, 400, 777}, 600, 800, 4, 2, 128,
+                    -1, 0);
+    b.poison = 2;
+    cases.push_back(b);
+    Case w = packed({0, 1000, 1001, 3050}, {0, 1000, 1300, 3050}, 3100, 3100, 4, 2, 64, 200, 0);
+    cases.push_back(w);
+    Case u = packed({0, 700, 1457}, {0, 700, 1457}, 1457, 1500, 2, 2, 128);
+    cases.push_back(u);
+  }
+  for (Case& c : cases) c.det = true;
+  return cases;
 }
 
 }  // namespace
@@ -718,6 +866,16 @@ int main(int argc, char** argv) {
   // --time-only [D]: only the timed cases (for a profiler, which then sees no correctness
   // launches), of head_dim D if given.
   const bool time_only = argc > 1 && std::strcmp(argv[1], "--time-only") == 0;
+  // --det: only the deterministic order's correctness cases and timings.
+  const bool det_only = argc > 1 && std::strcmp(argv[1], "--det") == 0;
+  if (det_only) {
+    bool ok = true;
+    uint64_t seed = 1000;
+    for (const Case& c : deterministic_cases()) ok &= check_case(c, seed++);
+    std::printf(ok ? "all deterministic cases passed\n" : "FAILED\n");
+    time_deterministic_all();
+    return ok ? 0 : 1;
+  }
   if (time_only) {
     // An optional head_dim after --time-only times only that one.
     const int only_d = argc > 2 ? std::atoi(argv[2]) : 0;
@@ -884,6 +1042,7 @@ int main(int argc, char** argv) {
     b.poison = 2;
     check(b);
   }
+  for (const Case& c : deterministic_cases()) check(c);
   std::printf(ok ? "all correctness cases passed\n" : "FAILED\n");
   // Timed even after a failure: the speed of a wrong kernel still says whether it is worth fixing.
   if (!quick) {
@@ -907,6 +1066,7 @@ int main(int argc, char** argv) {
     time_case("packed mixed causal",
               packed({0, 512, 2048, 5120, 11264, 16384}, {0, 512, 2048, 5120, 11264, 16384}, 16384,
                      16384, 16, 16, 128, -1, 0));
+    time_deterministic_all();
   }
   return ok ? 0 : 1;
 }

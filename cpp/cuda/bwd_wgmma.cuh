@@ -11,9 +11,11 @@
 //   dV += P^T dO, dK += dS^T Q                      (wgmma, P^T / dS^T as the register operand)
 //   dQ_i += dS K                                    (wgmma, dS^T staged in shared memory)
 // and add dQ_i into the fp32 dq_accum: staged in shared memory and added by TMA reductions (one
-// bulk operation per 32 columns instead of a vector atomic per thread and row), or, for the
-// deterministic order, a packed sequence's last tile and head_dim 256, with vector atomics from
-// registers.
+// bulk operation per 32 columns instead of a vector atomic per thread and row), or, for a packed
+// sequence's last tile and the deterministic order at head_dim 256, with vector atomics from
+// registers. In the deterministic order at head_dim 64 / 128 the staged tile is handed to a
+// writer warp of the producer warpgroup (bwd_dq_writer), which waits for the tile's turn, so that
+// the consumers never spin.
 // Head_dim 64, 128 and 256; at 256 (BwdWgmmaTraits::kSplitQ) a CTA owns 64 keys, the warpgroups
 // split dK / dV's columns and S^T's queries, and exchange their halves of P^T and dS^T through
 // shared memory. Inside a warpgroup the GEMMs of one query tile are ordered so that each
@@ -142,9 +144,13 @@ struct BwdWgmmaTraits {
   static constexpr int kTileBytes = 128;
   // Segment ids of the tile's keys (kBlockN ints), written by the producer warp.
   static constexpr int kKvIdOffset = kTileOffset + kTileBytes;
+  // The deterministic order's hand-off of a staged dQ_i to its writer warp (BwdDqHandoff), one per
+  // consumer warpgroup (head_dim 64 / 128).
+  static constexpr int kHandoffBytes = kDqStaged ? 32 : 0;
+  static constexpr int kHandoffOffset = kKvIdOffset + kBlockN * 4;
   // The kernel aligns its base to 1024 bytes (the swizzle's period); dynamic shared memory starts
   // 16-byte aligned, so that costs at most 1008 bytes (head_dim 256 needs all but a few of them).
-  static constexpr int kSmemBytes = kKvIdOffset + kBlockN * 4 + 1008;
+  static constexpr int kSmemBytes = kHandoffOffset + kConsumerWarpgroups * kHandoffBytes + 1008;
 
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>);
   static_assert(kD == 64 || kD == 128 || kD == 256, "head_dim 64, 128 and 256 only");
@@ -155,6 +161,8 @@ struct BwdWgmmaTraits {
   static_assert(kDkCols == 128 || kDkCols == 64, "dV / dK GEMMs are m64n128 or m64n64");
   static_assert(kSCols == 64 || kSCols == 32, "S^T GEMMs are m64n64 or m64n32");
   static_assert(kRowStatBytes % 16 == 0, "headers are read as 16-byte vectors");
+  static_assert(kHandoffOffset % 8 == 0, "the hand-off holds an int64_t");
+  static_assert(kConsumerWarpgroups + 1 <= 4, "one writer warp per consumer warpgroup");
   static_assert(kBlockM % kSegmentChunk == 0 && kBlockN % kSegmentChunk == 0);
   static_assert(kSmemBytes <= 227 * 1024);
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWarpgroups <= 65536);
@@ -162,9 +170,15 @@ struct BwdWgmmaTraits {
 
 // Named barriers (id 0 is __syncthreads): both consumer warpgroups together (dS^T written; zeroed
 // rows of a packed sequence's boundary tile), and each consumer warpgroup alone (dQ_i staged for
-// its TMA reduction, its deterministic turn; ids 2 and 3).
+// its TMA reduction, its deterministic turn; ids 2 and 3). In the deterministic order, per
+// consumer warpgroup and shared with its writer warp (128 + 32 threads): dQ_i staged (the
+// consumers arrive, the writer waits; ids 4 and 5) and the staging buffer free again (the writer
+// arrives, the consumers wait; ids 6 and 7).
 inline constexpr int kBwdBarConsumers = 1;
 inline constexpr int kBwdBarDsOwnBase = 2;
+inline constexpr int kBwdBarDqStagedBase = 4;
+inline constexpr int kBwdBarDqFreeBase = 6;
+inline constexpr int kBwdDqHandoffThreads = 128 + 32;
 
 // What the producer tells the consumers about one visited (query tile, key tile) pair.
 struct BwdPairHeader {
@@ -177,6 +191,19 @@ struct BwdPairHeader {
   int pad[3];
 };
 static_assert(sizeof(BwdPairHeader) == 48);
+
+// A staged dQ_i as a consumer warpgroup hands it to its writer warp (deterministic order only):
+// where the tile goes and when its turn comes.
+struct BwdDqHandoff {
+  int64_t sem;  // the tile's counter: index into dq_semaphores
+  int row;      // TMA coordinates of the tile's first query row (packed: row of the [rows] view)
+  int batch;
+  int head;
+  int ticket;  // dq_ticket: the counter value at which the tile's turn comes
+  int end;     // no more tiles: the writer leaves
+  int pad;
+};
+static_assert(sizeof(BwdDqHandoff) == 32, "BwdWgmmaTraits::kHandoffBytes");
 
 inline constexpr int kPairEnd = 1;       // no more pairs: the consumers leave the loop
 inline constexpr int kPairMasked = 2;    // apply mask (band, end of the sequence's keys)
@@ -430,12 +457,12 @@ __device__ __forceinline__ void bwd_dscores(float (&dp)[Tr::kSCols / 2],
   }
 }
 
-// dQ_i of one warpgroup added into dq_accum from registers with vector atomics: the path of the
-// deterministic order (semaphores), of a packed sequence's last tile, whose rows past the
-// sequence are the neighbour's and must get nothing, and of head_dim 256. Accumulator element
-// 4i + 2r + e is (query row 16 warp + g + 8r, column col0 + 8i + 2t + e of the head). A warpgroup
-// whose dQ_i takes several GEMMs (kDqGemms) waits for its deterministic turn before the first
-// (`first`) and passes it on after the last (`last`).
+// dQ_i of one warpgroup added into dq_accum from registers with vector atomics: the path of a
+// packed sequence's last tile, whose rows past the sequence are the neighbour's and must get
+// nothing, in the deterministic order (semaphores) or not, and of head_dim 256's deterministic
+// order. Accumulator element 4i + 2r + e is (query row 16 warp + g + 8r, column col0 + 8i + 2t + e
+// of the head). A warpgroup whose dQ_i takes several GEMMs (kDqGemms) waits for its
+// deterministic turn before the first (`first`) and passes it on after the last (`last`).
 template <class Tr>
 __device__ __forceinline__ void bwd_dq_atomics(const float (&dq)[Tr::kDqCols / 2],
                                                int64_t dq_offset, int rows, int m0, int cw,
@@ -526,11 +553,66 @@ __device__ __forceinline__ void stage_dq_boxes(uint8_t* boxes, const float (&dq)
   }
 }
 
+// The deterministic order's dQ writer of consumer warpgroup cw: warp 1 + cw of the producer
+// warpgroup, otherwise idle. For each tile the consumers stage (in their own buffer,
+// `stage_dq`) it waits for the tile's turn, adds it with TMA reductions, frees the buffer once
+// the TMA has read it and passes the turn once the reductions have completed in global memory.
+// The spin on the counter thus happens beside the consumers' GEMMs, which only wait if the
+// writer still holds the buffer when they stage the next tile (a pair's time later).
+//
+// Order: the turn is passed after cp.async.bulk.wait_group 0 (the reductions' writes performed,
+// not only their reads of shared memory), then a proxy fence (async-proxy writes before the
+// generic release) and the release of dq_pass_turn; the next CTA's writer acquires the counter
+// and fences the proxies again before it issues its own reductions, so every element of
+// dq_accum receives the key tiles' additions in the fixed order of dq_ticket, whatever the
+// timing. The wait ends for the reason dq_convert.cuh gives (a tile's earlier turns belong to
+// CTAs of lower grid index, already resident or done); inside the CTA the writer depends only
+// on its consumers' hand-offs, and they only on it, never on the reverse of a wait.
+//
+// Hand-off: the staged and free barriers are used in strict alternation. The writer arrives on
+// "free" once up front and once after each tile's TMA reads; the consumers wait on "free"
+// before each staging and once more before the end hand-off, and arrive on "staged" after each
+// staging and at the end: both sides use each barrier equally often, and neither can run a
+// phase ahead (a second arrival needs the other side's intervening one). The handoff record is
+// read before "free" is arrived on, so it too may be rewritten then.
+template <class Tr>
+__device__ __forceinline__ void bwd_dq_writer(const CUtensorMap* tm_dq, uint32_t stage_dq,
+                                              const BwdDqHandoff* handoff, int32_t* sems, int cw,
+                                              int lane) {
+  named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
+  for (;;) {
+    named_barrier_sync(kBwdBarDqStagedBase + cw, kBwdDqHandoffThreads);
+    if (handoff->end) return;
+    int32_t* const sem = sems + handoff->sem;
+    if (lane == 0) {
+      dq_wait_turn(sem, handoff->ticket);
+      fence_proxy_async_global();
+      const int col = cw * Tr::kDqCols;
+#pragma unroll
+      for (int b = 0; b < Tr::kDqBoxes; ++b) {
+        tma_reduce_add_4d(tm_dq, stage_dq + b * Tr::kDqBoxBytes, col + 32 * b, handoff->head,
+                          handoff->row, handoff->batch);
+      }
+      tma_commit();
+      tma_wait_read();
+    }
+    __syncwarp();
+    named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
+    if (lane == 0) {
+      tma_wait_all();
+      fence_proxy_async_global();
+      dq_pass_turn(sem);
+    }
+    // The barriers are warp-collective: the warp meets again before the next one.
+    __syncwarp();
+  }
+}
+
 #endif  // JAX_FLASH_SM90A
 
 // Warpgroup 0 is the producer (only its warp 0 works), warpgroups 1 and 2 the consumers.
-// blockIdx.x enumerates the key tiles of one kv head fastest (sequence by sequence), so that CTAs
-// running together read the same Q, dO and dq_accum rows from L2.
+// blockIdx.x enumerates the key tiles of one kv head fastest (sequence by sequence), so that
+// CTAs running together read the same Q, dO and dq_accum rows from L2.
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     bwd_wgmma_kernel(const BwdWgmmaArgs args, const __grid_constant__ CUtensorMap tm_q,
@@ -575,8 +657,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const auto stage_header = [&](int stage) {
     return reinterpret_cast<BwdPairHeader*>(stats + stage * Tr::kRowStatBytes + 3 * kBlockM * 4);
   };
-  // The kernels without kMasked serve only unbounded bands: a constant one lets the compiler fold
-  // the band's arithmetic.
+  // The kernels without kMasked serve only unbounded bands: a constant one lets the compiler
+  // fold the band's arithmetic.
   const Band band = kMasked ? args.band : Band{};
 
   const bool segments = kMasked && args.segments.enabled();
@@ -611,6 +693,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
     setmaxnreg_dec<Tr::kProducerRegs>();
+    // Warps 1 and 2: the deterministic order's dQ writers. The vote makes the branch visibly
+    // warp-uniform, which keeps the producer's code below on uniform registers: with a plain
+    // branch on `warp` its values move to the 24 vector registers and spill.
+    if (__all_sync(0xffffffffu, warp >= 1 && warp <= Tr::kConsumerWarpgroups)) {
+      if (Tr::kDqStaged && args.dq_semaphores != nullptr && n_iters > 0) {
+        bwd_dq_writer<Tr>(
+            &tm_dq, base + Tr::kDqOffset + (warp - 1) * Tr::kDqWgBytes,
+            reinterpret_cast<const BwdDqHandoff*>(smem + Tr::kHandoffOffset) + warp - 1,
+            args.dq_semaphores, warp - 1, lane);
+      }
+      return;
+    }
     if (warp != 0 || n_iters <= 0) return;
     const BwdCtaTile& ct = *cta_tile;
     // Dense: 4-D maps [batch, seqlen, heads, D], whose rows past a sequence read as zeros.
@@ -632,8 +726,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     k_row, tma_batch());
       }
     } else {
-      // Lanes 1..31 write the keys' segment ids before their arrivals on bar_kv, which order the
-      // writes before the consumers' reads (lane 0 issues the TMA without waiting for them).
+      // Lanes 1..31 write the keys' segment ids before their arrivals on bar_kv, which order
+      // the writes before the consumers' reads (lane 0 issues the TMA without waiting for
+      // them).
       if (segments) {
         const int32_t* const ids = args.segments.kv_ids + ct.span.batch * args.seg_stride_k + ct.n0;
         for (int c = lane - 1; c < kBlockN; c += 31) {
@@ -643,10 +738,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       mbar_arrive(bar_kv);
     }
     int slot = 0;
-    // The pairs of each query head, in query-tile order. Each lane decides one of 32 consecutive
-    // query tiles and a ballot gathers the visited ones, so a key tile that shares its segment
-    // with few query tiles (one document of a packed row) pays one round of chunk-range loads per
-    // 32 tiles it skips, not one per tile.
+    // The pairs of each query head, in query-tile order. Each lane decides one of 32
+    // consecutive query tiles and a ballot gathers the visited ones, so a key tile that shares
+    // its segment with few query tiles (one document of a packed row) pays one round of
+    // chunk-range loads per 32 tiles it skips, not one per tile.
     const int64_t q_chunks = (args.seg_stride_q + kSegmentChunk - 1) / kSegmentChunk;
     const int32_t* const q_ranges =
         segments ? args.segments.q_ranges + ct.span.batch * q_chunks * 2 : nullptr;
@@ -739,8 +834,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int cw = warpgroup - 1;
   const int g = lane / 4;
   const int t = lane % 4;
-  // The warpgroup's key rows (of the tile), its S^T query columns (of the pair's query tile) and
-  // its dK / dV head-dim columns.
+  // The warpgroup's key rows (of the tile), its S^T query columns (of the pair's query tile)
+  // and its dK / dV head-dim columns.
   const int key_row0 = kSplitQ ? 0 : cw * 64;
   const int q0 = kSplitQ ? cw * kSCols : 0;
   const int col0 = kSplitQ ? cw * kDkCols : 0;
@@ -811,9 +906,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       mbar_wait(bar_full(stage), (slot / kStages) & 1);
       const int flags = hdr->flags;
       if (flags & kPairEnd) break;
-      // Q and dO rows past a packed sequence belong to its neighbour: they would enter S^T, dP^T
-      // (column-wise, selected away by lse = +inf only if finite) and dK += dS^T Q,
-      // dV += P^T dO (0 * NaN is NaN), so they are zeroed before any GEMM reads the stage.
+      // Q and dO rows past a packed sequence belong to its neighbour: they would enter S^T,
+      // dP^T (column-wise, selected away by lse = +inf only if finite) and dK += dS^T Q, dV +=
+      // P^T dO (0 * NaN is NaN), so they are zeroed before any GEMM reads the stage.
       if (flags & kPairZeroRows) {
         zero_tile_rows<kBlockM, Tr::kPanels, 2, Tr::kDoOffset - Tr::kQOffset>(
             smem + Tr::kQOffset + stage * Tr::kQStageBytes, hdr->rows);
@@ -877,9 +972,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         load_operand_tile(p_other, p_tile, warp * 16, q_other / 16, lane);
         load_operand_tile(ds_other, ds_tile, warp * 16, q_other / 16, lane);
 
-        // dV += P^T dO and dK += dS^T Q over the tile's queries (this warpgroup's columns first,
-        // from registers, then the other's), then dQ_i = dS K over the tile's 64 keys, kDqCols
-        // columns per GEMM (A = dS^T read as MN-major dS, B = K MN-major).
+        // dV += P^T dO and dK += dS^T Q over the tile's queries (this warpgroup's columns
+        // first, from registers, then the other's), then dQ_i = dS K over the tile's 64 keys,
+        // kDqCols columns per GEMM (A = dS^T read as MN-major dS, B = K MN-major).
         wgmma_fence();
         wgmma_rs_mn<kDkCols, kSCols / 16, T>(dv, p, desc_advance(do_mn_desc, q0 * Tr::kRowBytes));
         wgmma_rs_mn<kDkCols, kSCols / 16, T>(dv, p_other,
@@ -896,9 +991,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // There is no shared memory left for a dQ staging buffer, but once this warpgroup's dV
         // and dK are done, the panels of Q and dO holding its columns are dead: the other
         // warpgroup reads only its own columns after the exchange barrier. dQ_i's first kDqCols
-        // columns are staged in the Q panels, the next in the dO panels, and the stage goes back
-        // to the producer only once the TMA reductions have read them. Packed tails and the
-        // deterministic order add from registers instead.
+        // columns are staged in the Q panels, the next in the dO panels, and the stage goes
+        // back to the producer only once the TMA reductions have read them. Packed tails and
+        // the deterministic order add from registers instead.
         const bool staged = args.dq_semaphores == nullptr && (flags & kPairZeroRows) == 0;
         static_assert(Tr::kDqGemms == 2 && Tr::kDqCols == 2 * 32 && Tr::kQPanelBytes == 8192,
                       "each dQ GEMM fills the two panels of Q or dO that hold its columns");
@@ -969,9 +1064,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if (tid == 0) tma_wait_read();
         named_barrier_sync(kBwdBarConsumers, 128 * Tr::kConsumerWarpgroups);
 
-        // dQ_i (64 queries x kDqCols head-dim columns) = dS K over the 128 keys: A = dS^T read as
-        // MN-major dS, B = K MN-major; both advance 16 key rows per wgmma. Then dK += dS^T Q (Q
-        // as the MN-major B operand), which runs while dQ_i leaves.
+        // dQ_i (64 queries x kDqCols head-dim columns) = dS K over the 128 keys: A = dS^T read
+        // as MN-major dS, B = K MN-major; both advance 16 key rows per wgmma. Then dK += dS^T Q
+        // (Q as the MN-major B operand), which runs while dQ_i leaves.
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < kBlockN / 16; ++k) {
@@ -991,29 +1086,54 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const int head = hdr->head;
 
         // The thread's position is re-read here (volatile) so that the compiler computes these
-        // addresses now, when s and dP^T are dead, instead of keeping them live across the loop.
+        // addresses now, when s and dP^T are dead, instead of keeping them live across the
+        // loop.
         const int ctid = fresh_thread_index() - 128;
         // dq accumulator element 4i + 2r + e is (query row 16 warp + g + 8r, column 8i + 2t + e
         // of the warpgroup's kDqCols: kDqCols cw + 8i + 2t + e of the head).
-        if (Tr::kDqStaged && args.dq_semaphores == nullptr && (flags & kPairZeroRows) == 0) {
+        const bool in_order = args.dq_semaphores != nullptr;
+        if ((flags & kPairZeroRows) == 0) {
           // Staged for a TMA reduction. Rows past a dense sequence are clipped by the map; a
           // packed tile's rows past its sequence take the path below.
           uint8_t* const stage_dq = smem + Tr::kDqOffset + (ctid / 128) * Tr::kDqWgBytes;
+          // In order, the writer warp reduces the buffer; it must have read the previous tile.
+          // (Otherwise this warpgroup's thread 0 did, and its tma_wait_read above covers it.)
+          if (in_order) named_barrier_sync(kBwdBarDqFreeBase + ctid / 128, kBwdDqHandoffThreads);
           stage_dq_boxes<Tr::kDqCols>(stage_dq, dq, ctid);
           fence_proxy_async_smem();
-          named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
-          if (ctid % 128 == 0) {
-            const uint32_t src = tc::smem_addr(stage_dq);
-            const int col = (ctid / 128) * Tr::kDqCols;
-            const int row = static_cast<int>((varlen ? cta_tile->span.q_start : 0) + m0);
-            const int batch = varlen ? 0 : static_cast<int>(cta_tile->span.seq);
-#pragma unroll
-            for (int b = 0; b < Tr::kDqBoxes; ++b) {
-              tma_reduce_add_4d(&tm_dq, src + b * Tr::kDqBoxBytes, col + 32 * b, head, row, batch);
+          if (in_order) {
+            // The arrival orders the staging (and thread 0's record) before the writer's reads.
+            if (ctid % 128 == 0) {
+              BwdDqHandoff* const h =
+                  reinterpret_cast<BwdDqHandoff*>(smem + Tr::kHandoffOffset) + ctid / 128;
+              h->sem = dq_offset / kD * kDqCounters + ctid / 128;
+              h->row = static_cast<int>((varlen ? cta_tile->span.q_start : 0) + m0);
+              h->batch = varlen ? 0 : static_cast<int>(cta_tile->span.seq);
+              h->head = head;
+              h->ticket = dq_ticket(cta_tile->mask, m0, rows, cta_tile->n0, kBlockN);
+              h->end = 0;
             }
-            tma_commit();
+            named_barrier_arrive(kBwdBarDqStagedBase + ctid / 128, kBwdDqHandoffThreads);
+          } else {
+            named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
+            if (ctid % 128 == 0) {
+              const uint32_t src = tc::smem_addr(stage_dq);
+              const int col = (ctid / 128) * Tr::kDqCols;
+              const int row = static_cast<int>((varlen ? cta_tile->span.q_start : 0) + m0);
+              const int batch = varlen ? 0 : static_cast<int>(cta_tile->span.seq);
+#pragma unroll
+              for (int b = 0; b < Tr::kDqBoxes; ++b) {
+                tma_reduce_add_4d(&tm_dq, src + b * Tr::kDqBoxBytes, col + 32 * b, head, row,
+                                  batch);
+              }
+              tma_commit();
+            }
           }
         } else {
+          // A packed sequence's last tile: its rows past the sequence are a neighbour's, which
+          // a TMA box would add to, so it adds from registers (in order: after its own wait for
+          // the turn, in this warpgroup, while the writer warp may still be busy with an
+          // earlier tile of another counter).
           bwd_dq_atomics<Tr>(dq, dq_offset, rows, m0, cw, ctid, cta_tile, args, cw * Tr::kDqCols,
                              true, true);
         }
@@ -1029,6 +1149,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // Shared memory must outlive the TMA reductions' reads of it; waiting for their writes too
     // leaves nothing in flight when the CTA retires.
     if (tid == 0) tma_wait_all();
+    // In order: the end hand-off, once the writer has read the last tile (bwd_dq_writer); the
+    // writer's own waits keep the CTA's shared memory alive until its reductions are done.
+    // (The position is re-read, as in the loop, so that the loop does not keep it live.)
+    if (Tr::kDqStaged && args.dq_semaphores != nullptr) {
+      const int etid = fresh_thread_index() - 128;
+      named_barrier_sync(kBwdBarDqFreeBase + etid / 128, kBwdDqHandoffThreads);
+      if (etid % 128 == 0) {
+        reinterpret_cast<BwdDqHandoff*>(smem + Tr::kHandoffOffset)[etid / 128].end = 1;
+      }
+      named_barrier_arrive(kBwdBarDqStagedBase + etid / 128, kBwdDqHandoffThreads);
+    }
   }
 
   // Epilogue: dK = scale * dS^T Q, dV, element 4i + 2r + e at (key row g + 8r, column
