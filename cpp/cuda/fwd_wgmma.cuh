@@ -98,18 +98,20 @@ constexpr FwdWgmmaTile fwd_wgmma_tile(int head_dim, FwdMask mask, bool long_keys
 // pipes instead of ex2 on the special-function unit (MUFU, 16 results per clock per SM). A score
 // costs 4 * head_dim tensor-core FLOPs (Q K^T and P V) of the SM's about 4096 a clock, so at
 // head_dim 64 the tensor cores produce scores as fast as MUFU computes one function of them, and
-// soft-capping's tanh doubles MUFU's work at every head_dim. A poly_exp2 takes about nine issue
-// slots instead of one, so the share trades MUFU time for issue slots: about a quarter balances
-// them at head_dim 64, about a half with soft-capping; the rest keep ex2.
-// The consumers' registers are nearly all taken by S, P and O, and each exponential in flight on
-// the FMA pipes holds two more, so where ptxas (CUDA 13) spills with the balancing share the
-// share is the largest of 2, 4, 6, 8 that it compiles without new spills, or 0 where none does:
-// the band kernel at head_dim 64 (three consumer warpgroups of 160 registers) and the 176-key
-// tiles at head_dim 128. Each value is one configuration's switch; -Xptxas=-v shows the spills.
+// soft-capping's tanh doubles MUFU's work at every head_dim. A poly_exp2 takes nine issue slots
+// (seven on the FMA pipe) instead of one, so the share trades MUFU time for issue slots: about a
+// quarter balances them at head_dim 64, about a half with soft-capping; the rest keep ex2.
+// The consumers' registers are nearly all taken by S, P and O, and an exponential in flight on the
+// FMA pipes holds two more, so where ptxas (CUDA 13) spills with the balancing share it is
+// lowered to the largest even share that compiles without new spills: 6 for the 176-key tile
+// without a band, 2 with one, 4 with segment ids at head_dim 128 and 6 without a band at
+// head_dim 64. The band kernel at head_dim 64 (three consumer warpgroups of 160 registers)
+// spills with every share from 2 to 14 but not with all 16, which still leaves MUFU only the tanh.
+// Each value is one configuration's switch; -Xptxas=-v shows the spills.
 constexpr int fwd_wgmma_poly_exp2_per16(int head_dim, FwdMask mask, bool softcap, bool long_keys) {
   if (!softcap) return head_dim <= 64 ? 4 : 0;
   const bool block_n_176 = fwd_wgmma_tile(head_dim, mask, long_keys).block_n == 176;
-  if (head_dim <= 64) return mask == FwdMask::kBand ? 0 : mask == FwdMask::kNone ? 6 : 8;
+  if (head_dim <= 64) return mask == FwdMask::kBand ? 16 : mask == FwdMask::kNone ? 6 : 8;
   if (head_dim <= 128) {
     if (block_n_176) return mask == FwdMask::kNone ? 6 : 2;
     return mask == FwdMask::kSegments ? 4 : 8;
