@@ -5,7 +5,10 @@
 //   nvcc -std=c++17 -O3 -I cpp -gencode=arch=compute_90a,code=sm_90a -DJAX_FLASH_BUILT_SM90A=1 \
 //       tools/wgmma_check.cu \
 //       cpp/cuda/fwd_wgmma.cu cpp/cuda/sm90_host.cu -o wgmma_check
-// Run: ./wgmma_check [--quick]   (--quick: a few small cases, no timing; for compute-sanitizer)
+// Run: ./wgmma_check [--quick | --softmax]
+//   --quick: a few small cases, no timing; for compute-sanitizer.
+//   --softmax: only the softmax-bound timing cells (part 3), no correctness cases; for comparing
+//   two builds back to back.
 //
 // Part 1 compares O and lse with a naive float32 reference on the GPU (one thread per query row
 // and head) over awkward shapes: dense and packed (cu_seqlens) batches, causal and sliding-window
@@ -21,6 +24,9 @@
 // TFLOP/s = 4 * D * (visible (query, key) pairs) * heads / time, i.e. 4 * B * H * S * S * D for
 // full attention, about half that for causal. The feature rows print their ratio to the baseline
 // the targets are stated against.
+// Part 3 times the cells whose softmax is limited by the special-function unit (head_dim 64, and
+// soft-capping at any head_dim): B=4 S=4096 H=16, head_dim 64 and 128, full and causal, bf16 and
+// fp16, each without and with softcap 50; the softcap row prints its ratio to the row above it.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -778,6 +784,13 @@ void feature_cases(std::vector<Case>& out, DType dt, int hd, bool quick) {
     c.amp = 3.f;
     c.softcap = 2.f;
   }));
+  // A cap far above the logits: scores keep their spread, so most of P lies well below 1.
+  for (int64_t right : {inf, int64_t{0}}) {
+    add(with(dense(dt, hd, 1000, 1000, 2, inf, right), [](Case& c) {
+      c.amp = 3.f;
+      c.softcap = 50.f;
+    }));
+  }
   // Sinks; with a causal Sq > Sk some rows see no key and get lse = sink.
   add(with(dense(dt, hd, 300, 300, 2, inf, inf), [](Case& c) { c.sinks = true; }));
   add(with(dense(dt, hd, 1000, 300, 2, inf, 0), [](Case& c) { c.sinks = true; }));
@@ -822,16 +835,44 @@ void feature_cases(std::vector<Case>& out, DType dt, int hd, bool quick) {
   add(with(dense(dt, hd, 300, 300, 2, inf, inf), [](Case& c) { c.poison = 1; }));
 }
 
+// Part 3: the softmax-bound cells, each plain and then soft-capped.
+void time_softmax_cells() {
+  std::printf(
+      "softmax-bound cells (B=4 S=4096 H=16; softcap rows: ratio to the plain row above; "
+      "target >= 0.90)\n");
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    for (int head_dim : {64, 128}) {
+      for (bool causal : {false, true}) {
+        Case c = dense(dtype, head_dim, 4096, 4096, 16, kUnbounded, causal ? 0 : kUnbounded);
+        c.batch = 4;
+        c.heads_q = 16;
+        char label[64];
+        std::snprintf(label, sizeof(label), "B=4 S=4096 %s", causal ? "causal" : "full");
+        const double plain = time_case(c, label, 0.0);
+        c.softcap = 50.f;
+        std::snprintf(label, sizeof(label), "B=4 S=4096 %s softcap 50", causal ? "causal" : "full");
+        time_case(c, label, plain);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  const bool softmax_only = argc > 1 && std::strcmp(argv[1], "--softmax") == 0;
   int device = 0;
   CHECK_CUDA(cudaGetDevice(&device));
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
   std::printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor,
               prop.multiProcessorCount);
+
+  if (softmax_only) {
+    time_softmax_cells();
+    return 0;
+  }
 
   const int64_t inf = kUnbounded;
   // 4400 and 4500 keys reach the long-key tiles (seqlen_k >= kLongKeys = 4096).
@@ -921,6 +962,7 @@ int main(int argc, char** argv) {
       seg.max_run = 2048;
       time_case(seg, "causal 4k segment ids (docs <= 2k)", causal4);
     }
+    time_softmax_cells();
   }
   return failures == 0 ? 0 : 1;
 }
