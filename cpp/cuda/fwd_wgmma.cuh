@@ -94,34 +94,6 @@ constexpr FwdWgmmaTile fwd_wgmma_tile(int head_dim, FwdMask mask, bool long_keys
   return {2, 80};
 }
 
-// How many of every 16 softmax exponentials of a thread's row run as tc::poly_exp2 on the FMA
-// pipes instead of ex2 on the special-function unit (MUFU, 16 results per clock per SM). A score
-// costs 4 * head_dim tensor-core FLOPs (Q K^T and P V) of the SM's about 4096 a clock, so at
-// head_dim 64 the tensor cores produce scores as fast as MUFU computes one function of them, and
-// soft-capping's tanh doubles MUFU's work at every head_dim. A poly_exp2 takes nine issue slots
-// (seven on the FMA pipe) instead of one, so the share trades MUFU time for issue slots: about a
-// quarter balances them at head_dim 64, about a half with soft-capping; the rest keep ex2.
-// The consumers' registers are nearly all taken by S, P and O, and an exponential in flight on the
-// FMA pipes holds two more, so where ptxas (CUDA 13) spills with the balancing share it is
-// lowered to the largest even share that compiles without new spills: 6 for the 176-key tile
-// without a band, 2 with one, 4 with segment ids at head_dim 128 and 6 without a band at
-// head_dim 64. The band kernel at head_dim 64 (three consumer warpgroups of 160 registers)
-// spills with every share from 2 to 14 but not with all 16, which still leaves MUFU only the tanh.
-// Each value is one configuration's switch; -Xptxas=-v shows the spills.
-constexpr int fwd_wgmma_poly_exp2_per16(int head_dim, FwdMask mask, bool softcap, bool long_keys) {
-  if (!softcap) return head_dim <= 64 ? 4 : 0;
-  const bool block_n_176 = fwd_wgmma_tile(head_dim, mask, long_keys).block_n == 176;
-  if (head_dim <= 64) return mask == FwdMask::kBand ? 16 : mask == FwdMask::kNone ? 6 : 8;
-  if (head_dim <= 128) {
-    if (block_n_176) return mask == FwdMask::kNone ? 6 : 2;
-    return mask == FwdMask::kSegments ? 4 : 8;
-  }
-  return 8;
-}
-// The polynomial degree of poly_exp2: 4 (relative error 3.0e-6, a hundredth of fp16's rounding of
-// P) or 5 (1.6e-7, ex2.approx's level) for one more FMA.
-inline constexpr int kPolyExp2Degree = 4;
-
 // Query rows that can see at least this many keys count as long_keys.
 inline constexpr int64_t kLongKeys = 4096;
 
@@ -136,8 +108,6 @@ struct FwdWgmmaTraits {
   // s = softcap * tanh(softmax_scale * q.k / softcap).
   static constexpr bool kSoftcap = kSoftcapOn;
   static constexpr FwdWgmmaTile kTile = fwd_wgmma_tile(kHeadDim, kMaskKind, kLongKeys);
-  static constexpr int kPolyExp2Per16 =
-      fwd_wgmma_poly_exp2_per16(kHeadDim, kMaskKind, kSoftcapOn, kLongKeys);
   static constexpr int kConsumerWarpgroups = kTile.consumer_warpgroups;
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
   // One wgmma M extent (64 rows) per consumer warpgroup.
@@ -178,7 +148,6 @@ struct FwdWgmmaTraits {
 
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>);
   static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3);
-  static_assert(kPolyExp2Per16 >= 0 && kPolyExp2Per16 <= 16);
   static_assert(kD % kPanelCols == 0, "head_dim must be a multiple of one 128-byte panel");
   static_assert(kBlockN % 16 == 0 && kD % 16 == 0, "wgmma K extent is 16");
   static_assert(kBlockM % kSegmentChunk == 0 && kBlockN % kSegmentChunk == 0,
@@ -666,27 +635,12 @@ __device__ __forceinline__ void apply_mask(float (&s)[kBlockN / 2], const TileMa
   }
 }
 
-// Whether exponential j of a thread's row (j = 2i + e for s[4i + 2r + e]) is a poly_exp2: kPer16
-// of every 16, spread evenly so that ex2 and FMA work interleave. Fixed at compile time, so the
-// forward stays bitwise deterministic.
-template <int kPer16>
-__device__ __forceinline__ constexpr bool poly_exp2_at(int j) {
-  return (j + 1) * kPer16 / 16 > j * kPer16 / 16;
-}
-
-template <int kPer16>
-__device__ __forceinline__ float softmax_exp2(float x, int j) {
-  return poly_exp2_at<kPer16>(j) ? tc::poly_exp2<kPolyExp2Degree>(x) : tc::fast_exp2(x);
-}
-
 // Online softmax of one S tile in base 2 (FlashAttention-2, Algorithm 1, lines 8-10): updates the
 // running row max m and partial row sum l, replaces S by P = 2^(S * scale - m) and returns the
 // factor alpha by which O must be rescaled. `scale` is scale_log2, or softcap * log2(e) on
 // soft-capped (tanh) scores. A row that has seen no key keeps m = -inf; its subtraction point is
-// clamped to 0 so that P = 0 and alpha = 0 come out instead of NaN. kPolyPer16 of every 16
-// exponentials of P run on the FMA pipes (fwd_wgmma_poly_exp2_per16); their arguments are at most
-// a rounding error above 0, and -inf for masked scores, which poly_exp2 maps to exactly 0.
-template <int kBlockN, int kPolyPer16>
+// clamped to 0 so that P = 0 and alpha = 0 come out instead of NaN.
+template <int kBlockN>
 __device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 2], float (&m)[2],
                                                float (&l)[2], float (&alpha)[2], float scale) {
 #pragma unroll
@@ -706,9 +660,8 @@ __device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 2], float (&
     float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
     for (int i = 0; i < kBlockN / 8; ++i) {
-      const float p0 = softmax_exp2<kPolyPer16>(fmaf(s[4 * i + 2 * r], scale, -m_use), 2 * i);
-      const float p1 =
-          softmax_exp2<kPolyPer16>(fmaf(s[4 * i + 2 * r + 1], scale, -m_use), 2 * i + 1);
+      const float p0 = tc::fast_exp2(fmaf(s[4 * i + 2 * r], scale, -m_use));
+      const float p1 = tc::fast_exp2(fmaf(s[4 * i + 2 * r + 1], scale, -m_use));
       s[4 * i + 2 * r] = p0;
       s[4 * i + 2 * r + 1] = p1;
       sum0 += p0;
@@ -1102,9 +1055,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
               apply_mask<kBlockN, kBand, false, kSegments>(s, tm, seg_mixed, kv_ids, n0 + 2 * t,
                                                            kv_last, q_id);
             }
-            online_softmax<kBlockN, Tr::kPolyExp2Per16>(s, m, l, alpha, scale);
+            online_softmax<kBlockN>(s, m, l, alpha, scale);
           } else {
-            online_softmax<kBlockN, Tr::kPolyExp2Per16>(s, m, l, alpha, scale);
+            online_softmax<kBlockN>(s, m, l, alpha, scale);
           }
         };
 

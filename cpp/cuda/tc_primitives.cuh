@@ -7,7 +7,6 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
-#include <cstring>
 
 namespace jax_flash::cuda::tc {
 
@@ -126,56 +125,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
-}
-
-__host__ __device__ __forceinline__ uint32_t float_bits(float x) {
-  uint32_t u;
-  memcpy(&u, &x, sizeof(u));
-  return u;
-}
-__host__ __device__ __forceinline__ float bits_float(uint32_t u) {
-  float x;
-  memcpy(&x, &u, sizeof(x));
-  return x;
-}
-
-// 2^x on the FMA and integer pipes: the share of the softmax's exponentials that the
-// special-function unit (16 results per clock per SM) would otherwise make the bottleneck.
-// x = j + f with j = floor(x): a polynomial gives 2^f in [1, 2] and j goes into its exponent field.
-// The float add rounded down to the magic number 1.5 * 2^23 puts j in the low mantissa bits, so
-// one shift by 23 moves it (two's complement, the magic's own bits shift out) into the exponent.
-// Every x <= -127, -inf included, is clamped to -127, where f = 0 and the pinned p(0) = 1 make the
-// result's bits 1.0f's minus 127 << 23: exactly +0, as ex2 gives for a masked score. For x in
-// (-127, -126) the result is a value below 2^-126 (where ex2.approx.ftz returns 0), never
-// negative. Requires x < 128 (the softmax's arguments are at most a rounding error above 0).
-// The host branch forms the same t exactly (floor(x) + magic is representable), so a host test
-// sees the device's bits.
-template <int kDegree>
-__host__ __device__ __forceinline__ float poly_exp2(float x) {
-  constexpr float kMagic = 12582912.0f;
-  x = fmaxf(x, -127.0f);
-#if defined(__CUDA_ARCH__)
-  const float t = __fadd_rd(x, kMagic);
-#else
-  const float t = floorf(x) + kMagic;
-#endif
-  const float f = x - (t - kMagic);
-  // p(f) ~ 2^f on [0, 1]: minimax fits of the relative error with p(0) = 1 pinned (Lawson's
-  // iteration in float64, rounded to float32). Evaluated in float32 over every float in
-  // [-130, 0] against exp2 in double, the maximum relative error is 3.0e-6 for degree 4 and
-  // 1.6e-7 for degree 5 (tools/poly_exp2_check.cu).
-  static_assert(kDegree == 4 || kDegree == 5, "fitted for degrees 4 and 5");
-  float p;
-  if constexpr (kDegree == 4) {
-    p = fmaf(fmaf(fmaf(1.342670061e-02f, f, 5.224244669e-02f), f, 2.412802130e-01f), f,
-             6.930448413e-01f);
-  } else {
-    p = fmaf(fmaf(fmaf(fmaf(1.867131679e-03f, f, 9.017026983e-03f), f, 5.579991639e-02f), f,
-                  2.401644439e-01f),
-             f, 6.931512952e-01f);
-  }
-  p = fmaf(p, f, 1.0f);
-  return bits_float(float_bits(p) + (float_bits(t) << 23));
 }
 
 // tanh on the special-function unit (maximum relative error about 2^-11, bf16-level): logit
