@@ -608,6 +608,66 @@ __device__ __forceinline__ void bwd_dq_writer(const CUtensorMap* tm_dq, uint32_t
   }
 }
 
+// Head_dim 256's dQ writer of consumer warpgroup cw (warp 1 + cw of the producer warpgroup), in
+// either order. The consumers stage each pair's dQ_i in the Q / dO panels of the pair's own stage
+// (its columns' panels, which are dead once the warpgroup's dV and dK are done) and hand the pair
+// over through the staged / free barriers of bwd_dq_writer, one round per pair and one for the
+// end. The writer reads the pair's header from the stage, adds the panels with TMA reductions
+// (after the tile's turn in the deterministic order, then passing it on as bwd_dq_writer does),
+// and arrives on the stage's empty barrier once they have read the panels, so the producer
+// refills the stage only after that. A packed sequence's last tile, which the consumers add from
+// registers, is only released.
+template <class Tr>
+__device__ __forceinline__ void bwd_dq_writer_split(const CUtensorMap* tm_dq, uint32_t q_smem,
+                                                    uint32_t do_smem, uint32_t bar_empty0,
+                                                    const uint8_t* stats,
+                                                    const BwdCtaTile* cta_tile,
+                                                    const BwdWgmmaArgs& args, int cw, int lane) {
+  named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
+  for (int slot = 0;; ++slot) {
+    const int stage = slot % Tr::kStages;
+    named_barrier_sync(kBwdBarDqStagedBase + cw, kBwdDqHandoffThreads);
+    const BwdPairHeader* const hdr = reinterpret_cast<const BwdPairHeader*>(
+        stats + stage * Tr::kRowStatBytes + 3 * Tr::kBlockM * 4);
+    const int flags = hdr->flags;
+    if (flags & kPairEnd) break;
+    int32_t* sem = nullptr;
+    if (lane == 0) {
+      if ((flags & kPairZeroRows) == 0) {
+        const int m0 = hdr->m0;
+        const int head = hdr->head;
+        const int row = static_cast<int>((args.layout.varlen() ? cta_tile->span.q_start : 0) + m0);
+        const int batch = args.layout.varlen() ? 0 : static_cast<int>(cta_tile->span.seq);
+        if (args.dq_semaphores != nullptr) {
+          sem = args.dq_semaphores + hdr->dq_offset / Tr::kD * kDqCounters + cw;
+          dq_wait_turn(sem, dq_ticket(cta_tile->mask, m0, hdr->rows, cta_tile->n0, Tr::kBlockN));
+          fence_proxy_async_global();
+        }
+        const uint32_t panels = stage * Tr::kQStageBytes + cw * Tr::kDkCols / 64 * 8192;
+#pragma unroll
+        for (int b = 0; b < 2 * Tr::kDqGemms; ++b) {
+          const uint32_t src = (b < 2 ? q_smem : do_smem) + panels + (b % 2) * 8192;
+          tma_reduce_add_4d(tm_dq, src, cw * Tr::kDkCols + 32 * b, head, row, batch);
+        }
+        tma_commit();
+        tma_wait_read();
+      }
+      mbar_arrive(bar_empty0 + 8u * stage);
+    }
+    __syncwarp();
+    named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
+    if (lane == 0 && sem != nullptr) {
+      tma_wait_all();
+      fence_proxy_async_global();
+      dq_pass_turn(sem);
+    }
+    __syncwarp();
+  }
+  // The CTA's shared memory outlives the reductions' reads (waited for above); their writes are
+  // waited for too, so that nothing is in flight when the CTA retires.
+  if (lane == 0) tma_wait_all();
+}
+
 #endif  // JAX_FLASH_SM90A
 
 // Warpgroup 0 is the producer (only its warp 0 works), warpgroups 1 and 2 the consumers.
@@ -675,7 +735,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // with the stage: each thread's arrival orders its own shared-memory reads before the
       // producer's next writes of that stage (one arrival per warp would not cover the reads of
       // the other 31 lanes).
-      mbar_init(bar_empty(s), 128 * Tr::kConsumerWarpgroups);
+      // Head_dim 256: each dQ writer warp arrives too (bwd_dq_writer_split).
+      mbar_init(bar_empty(s),
+                128 * Tr::kConsumerWarpgroups + (Tr::kSplitQ ? Tr::kConsumerWarpgroups : 0));
     }
     fence_barrier_init();
     *cta_tile = bwd_cta_tile<kBlockM, kBlockN>(args, band, segments, static_cast<int>(blockIdx.x));
@@ -702,6 +764,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             &tm_dq, base + Tr::kDqOffset + (warp - 1) * Tr::kDqWgBytes,
             reinterpret_cast<const BwdDqHandoff*>(smem + Tr::kHandoffOffset) + warp - 1,
             args.dq_semaphores, warp - 1, lane);
+      }
+      if (Tr::kSplitQ && n_iters > 0) {
+        bwd_dq_writer_split<Tr>(&tm_dq, q_smem, do_smem, bar_empty(0), stats, cta_tile, args,
+                                warp - 1, lane);
       }
       return;
     }
@@ -888,9 +954,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
     }
 
-    // Head_dim 256: the stage whose Q / dO panels this thread's TMA reductions still read (the
-    // thread releases it later than the others), or -1.
-    int pending_release = -1;
     for (int slot = 0;; ++slot) {
       const int stage = slot % kStages;
       const uint32_t q_stage = q_smem + stage * Tr::kQStageBytes;
@@ -922,12 +985,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       wgmma_commit();
       wgmma_ss_kmajor<kSCols, kD, Tr::kKVPanelBytes, Tr::kQPanelBytes, T>(dp, v_desc, do_desc);
       wgmma_commit();
-      if (kSplitQ && pending_release >= 0) {
-        // The previous pair's reductions have had S^T and dP^T's issue to read their panels.
-        tma_wait_read();
-        mbar_arrive(bar_empty(pending_release));
-        pending_release = -1;
-      }
 
       // Groups retire in order: with dP^T pending, S^T is done.
       wgmma_wait<1>();
@@ -986,15 +1043,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const int64_t dq_offset = hdr->dq_offset;
         const int rows = hdr->rows;
         const int m0 = hdr->m0;
-        const int head = hdr->head;
         const int ctid = fresh_thread_index() - 128;
         // There is no shared memory left for a dQ staging buffer, but once this warpgroup's dV
         // and dK are done, the panels of Q and dO holding its columns are dead: the other
         // warpgroup reads only its own columns after the exchange barrier. dQ_i's first kDqCols
-        // columns are staged in the Q panels, the next in the dO panels, and the stage goes
-        // back to the producer only once the TMA reductions have read them. Packed tails and
-        // the deterministic order add from registers instead.
-        const bool staged = args.dq_semaphores == nullptr && (flags & kPairZeroRows) == 0;
+        // columns are staged in the Q panels, the next in the dO panels, and the stage goes back
+        // to the producer only once the writer warp's TMA reductions have read them. Packed
+        // tails add from registers instead.
+        const bool staged = (flags & kPairZeroRows) == 0;
         static_assert(Tr::kDqGemms == 2 && Tr::kDqCols == 2 * 32 && Tr::kQPanelBytes == 8192,
                       "each dQ GEMM fills the two panels of Q or dO that hold its columns");
 #pragma unroll
@@ -1021,22 +1077,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         fence_operand(p_other);
         fence_operand(ds_other);
-        if (staged) {
-          fence_proxy_async_smem();
-          named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
-          if (tid == 0) {
-            const int row = static_cast<int>((varlen ? cta_tile->span.q_start : 0) + m0);
-            const int batch = varlen ? 0 : static_cast<int>(cta_tile->span.seq);
-#pragma unroll
-            for (int b = 0; b < 2 * Tr::kDqGemms; ++b) {
-              const uint32_t src = (b < 2 ? q_stage : do_stage) + col_panel + (b % 2) * 8192;
-              tma_reduce_add_4d(&tm_dq, src, col0 + 32 * b, head, row, batch);
-            }
-            tma_commit();
-            // Released at the next pair, once the reductions have read the panels.
-            pending_release = stage;
-          }
-        }
+        // To the writer warp (bwd_dq_writer_split), staged or not: the arrival orders the
+        // staging before its reductions.
+        if (staged) fence_proxy_async_smem();
+        named_barrier_sync(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
+        named_barrier_arrive(kBwdBarDqStagedBase + cw, kBwdDqHandoffThreads);
       } else {
         // dV += P^T dO over the tile's queries, 16 per wgmma, with dO as the MN-major B operand
         // (head_dim contiguous, as V in the forward's O += P V); it runs under the dS math, the
@@ -1144,7 +1189,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       fence_operand(dv);
       fence_operand(p);
       fence_operand(ds);
-      if (pending_release != stage) mbar_arrive(bar_empty(stage));
+      mbar_arrive(bar_empty(stage));
     }
     // Shared memory must outlive the TMA reductions' reads of it; waiting for their writes too
     // leaves nothing in flight when the CTA retires.
@@ -1152,6 +1197,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // In order: the end hand-off, once the writer has read the last tile (bwd_dq_writer); the
     // writer's own waits keep the CTA's shared memory alive until its reductions are done.
     // (The position is re-read, as in the loop, so that the loop does not keep it live.)
+    if (Tr::kSplitQ) {
+      // The end round of bwd_dq_writer_split: the writer reads the end header from the stage.
+      named_barrier_sync(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
+      named_barrier_arrive(kBwdBarDqStagedBase + cw, kBwdDqHandoffThreads);
+    }
     if (Tr::kDqStaged && args.dq_semaphores != nullptr) {
       const int etid = fresh_thread_index() - 128;
       named_barrier_sync(kBwdBarDqFreeBase + etid / 128, kBwdDqHandoffThreads);
