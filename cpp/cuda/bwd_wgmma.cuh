@@ -629,7 +629,11 @@ __device__ __forceinline__ void bwd_dq_writer_split(const CUtensorMap* tm_dq, ui
     named_barrier_sync(kBwdBarDqStagedBase + cw, kBwdDqHandoffThreads);
     const BwdPairHeader* const hdr = reinterpret_cast<const BwdPairHeader*>(
         stats + stage * Tr::kRowStatBytes + 3 * Tr::kBlockM * 4);
-    const int flags = hdr->flags;
+    // Only lane 0 reads the header: its arrival on the empty barrier below orders its own reads
+    // before the producer's next writes of the stage, and would not order the other lanes'.
+    int flags = 0;
+    if (lane == 0) flags = hdr->flags;
+    flags = __shfl_sync(0xffffffffu, flags, 0);
     if (flags & kPairEnd) break;
     int32_t* sem = nullptr;
     if (lane == 0) {
