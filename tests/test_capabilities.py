@@ -62,9 +62,17 @@ def test_report_contents():
     if any(d["platform"] == "gpu" for d in report["devices"]) and report["cuda_built"]:
         gpu = next(d for d in report["devices"] if d["platform"] == "gpu")
         assert gpu["kernels"]["float32"][64]["forward"].startswith("simt")
-        if gpu["compute_capability"] == "9.0" and os.environ.get("JAX_FLASH_CUDA_FAMILY") != "mma":
+        hopper = gpu["compute_capability"] == "9.0"
+        if (
+            hopper
+            and "sm_90a" in report["cuda_architectures"]
+            and (os.environ.get("JAX_FLASH_CUDA_FAMILY") != "mma")
+        ):
             assert gpu["kernels"]["bfloat16"][128]["backward"] == "wgmma"
             assert gpu["kernels"]["bfloat16"][256]["backward"] == "wgmma"
+        elif hopper:
+            # Built without sm_90a (or the mma.sync family forced): the dispatch runs mma.sync.
+            assert gpu["kernels"]["bfloat16"][128]["backward"] == "mma.sync"
 
 
 def test_module_command(tmp_path):
