@@ -12,10 +12,10 @@
 //   dQ_i += dS K                                    (wgmma, dS^T staged in shared memory)
 // and add dQ_i into the fp32 dq_accum: staged in shared memory and added by TMA reductions (one
 // bulk operation per 32 columns instead of a vector atomic per thread and row), or, for a packed
-// sequence's last tile and the deterministic order at head_dim 256, with vector atomics from
-// registers. In the deterministic order at head_dim 64 / 128 the staged tile is handed to a
-// writer warp of the producer warpgroup (bwd_dq_writer), which waits for the tile's turn, so that
-// the consumers never spin.
+// sequence's last tile, with vector atomics from registers. In the deterministic order the staged
+// tile is handed to a writer warp of the producer warpgroup (bwd_dq_writer), which waits for the
+// tile's turn, so that the consumers never spin; at head_dim 256, which stages dQ_i in the
+// warpgroup's dead Q / dO panels, writer warps issue every reduction (bwd_dq_writer_split).
 // Head_dim 64, 128 and 256; at 256 (BwdWgmmaTraits::kSplitQ) a CTA owns 64 keys, the warpgroups
 // split dK / dV's columns and S^T's queries, and exchange their halves of P^T and dS^T through
 // shared memory. Inside a warpgroup the GEMMs of one query tile are ordered so that each
@@ -96,8 +96,9 @@ struct BwdWgmmaTraits {
   static constexpr int kStages = kD == 64 ? 3 : 2;
   // dQ_i = dS K: the two warpgroups split the head dimension and reduce over all the tile's keys,
   // so each needs the other's dS^T rows, and each dQ element is added to dq_accum once per key
-  // tile; kDqGemms GEMMs of kDqCols columns each. Head_dim 256 adds them from registers (there
-  // is no shared memory left to stage them), the others through TMA reductions (kDqStaged).
+  // tile; kDqGemms GEMMs of kDqCols columns each, added through TMA reductions. Head_dim 256 has
+  // no shared memory left for a staging buffer (kDqStaged is false there): it stages dQ_i in the
+  // warpgroup's own panels of Q and dO once they are dead (bwd_dq_writer_split).
   static constexpr int kDqCols = kSplitQ ? 64 : kD / kConsumerWarpgroups;
   static constexpr int kDqGemms = kD / (kConsumerWarpgroups * kDqCols);
   static constexpr bool kDqStaged = !kSplitQ;
@@ -459,10 +460,10 @@ __device__ __forceinline__ void bwd_dscores(float (&dp)[Tr::kSCols / 2],
 
 // dQ_i of one warpgroup added into dq_accum from registers with vector atomics: the path of a
 // packed sequence's last tile, whose rows past the sequence are the neighbour's and must get
-// nothing, in the deterministic order (semaphores) or not, and of head_dim 256's deterministic
-// order. Accumulator element 4i + 2r + e is (query row 16 warp + g + 8r, column col0 + 8i + 2t + e
-// of the head). A warpgroup whose dQ_i takes several GEMMs (kDqGemms) waits for its
-// deterministic turn before the first (`first`) and passes it on after the last (`last`).
+// nothing, in the deterministic order (semaphores) or not. Accumulator element 4i + 2r + e is
+// (query row 16 warp + g + 8r, column col0 + 8i + 2t + e of the head). A warpgroup whose dQ_i
+// takes several GEMMs (kDqGemms) waits for its deterministic turn before the first (`first`) and
+// passes it on after the last (`last`).
 template <class Tr>
 __device__ __forceinline__ void bwd_dq_atomics(const float (&dq)[Tr::kDqCols / 2],
                                                int64_t dq_offset, int rows, int m0, int cw,
