@@ -159,6 +159,8 @@ struct BwdWgmmaTraits {
   static_assert(kKVPanelBytes % 1024 == 0 && kQPanelBytes % 1024 == 0 && kDsBytes % 1024 == 0 &&
                 kDqBoxBytes % 1024 == 0);
   static_assert(kDqCols == 64 || kDqCols == 32, "dQ GEMMs are m64n64 or m64n32");
+  static_assert(kDqBoxBytes == 8192 && kQPanelBytes == 8192,
+                "dq_reduce_boxes and stage_dq_boxes space the 32-column boxes 8 KB apart");
   static_assert(kDkCols == 128 || kDkCols == 64, "dV / dK GEMMs are m64n128 or m64n64");
   static_assert(kSCols == 64 || kSCols == 32, "S^T GEMMs are m64n64 or m64n32");
   static_assert(kRowStatBytes % 16 == 0, "headers are read as 16-byte vectors");
@@ -296,55 +298,6 @@ __device__ __forceinline__ float bwd_tanh_approx(float x) {
   asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
-
-// dQ = dS K: A = dS (M = queries) and B = K (N = head_dim) are both MN-major in shared memory
-// (imm-trans-a = imm-trans-b = 1), m64n64k16 or m64n32k16. An n32 B operand starts 64 bytes into
-// a 128-byte swizzled row for the upper half of a 64-column panel, as a K-major operand's
-// k-steps start 32 bytes in: the hardware applies the swizzle to the address it forms.
-#define BW_F8(i)                                                                            \
-  "+f"(d[(i) + 0]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), "+f"(d[(i) + 4]), \
-      "+f"(d[(i) + 5]), "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
-#define BW_WGMMA_TT64(TY)                                                                        \
-  asm volatile(                                                                                  \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                               \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY                                    \
-      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "  \
-      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, " \
-      "1;\n}\n"                                                                                  \
-      : BW_F8(0), BW_F8(8), BW_F8(16), BW_F8(24)                                                 \
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d))
-
-#define BW_WGMMA_TT32(TY)                                                                         \
-  asm volatile(                                                                                   \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                \
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY                                     \
-      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, " \
-      "1, 1, 1;\n}\n"                                                                             \
-      : BW_F8(0), BW_F8(8)                                                                        \
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d))
-
-template <typename T, int kN>
-__device__ __forceinline__ void wgmma_ss_trans(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b,
-                                               uint32_t scale_d) {
-  static_assert(kN == 64 || kN == 32);
-  if constexpr (kN == 64) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      BW_WGMMA_TT64("bf16");
-    } else {
-      BW_WGMMA_TT64("f16");
-    }
-  } else {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      BW_WGMMA_TT32("bf16");
-    } else {
-      BW_WGMMA_TT32("f16");
-    }
-  }
-}
-
-#undef BW_WGMMA_TT32
-#undef BW_WGMMA_TT64
-#undef BW_F8
 
 // threadIdx.x through a volatile read, which the compiler can neither hoist nor merge with
 // others: values derived from it are computed where they are used, not kept live in registers.
@@ -554,6 +507,41 @@ __device__ __forceinline__ void stage_dq_boxes(uint8_t* boxes, const float (&dq)
   }
 }
 
+// Where a query tile's dQ rows start in the TMA map over dq_accum: dense maps index
+// [batch, seqlen], packed ones the [rows] view from the span's start.
+struct BwdDqRow {
+  int row;
+  int batch;
+};
+__device__ __forceinline__ BwdDqRow bwd_dq_row(const BwdCtaTile& ct, bool varlen, int m0) {
+  return {static_cast<int>((varlen ? ct.span.q_start : 0) + m0),
+          varlen ? 0 : static_cast<int>(ct.span.seq)};
+}
+
+// TMA reductions of kBoxes staged 32-column float32 boxes (8 KB apart from `src` on) into dQ
+// columns col0, col0 + 32, .. of (at, head); the caller commits the bulk group.
+template <int kBoxes>
+__device__ __forceinline__ void dq_reduce_boxes(const CUtensorMap* tm_dq, uint32_t src, int col0,
+                                                int head, BwdDqRow at) {
+#pragma unroll
+  for (int b = 0; b < kBoxes; ++b) {
+    tma_reduce_add_4d(tm_dq, src + b * 8192, col0 + 32 * b, head, at.row, at.batch);
+  }
+}
+
+// A writer warp's turn at a tile (one lane): wait for it, then order the TMA reductions after the
+// earlier CTAs' (async-proxy writes, released through the counter) ...
+__device__ __forceinline__ void dq_turn_wait(const int32_t* sem, int ticket) {
+  dq_wait_turn(sem, ticket);
+  fence_proxy_async_global();
+}
+// ... and pass it on once this CTA's reductions have completed in global memory.
+__device__ __forceinline__ void dq_turn_pass(int32_t* sem) {
+  tma_wait_all();
+  fence_proxy_async_global();
+  dq_pass_turn(sem);
+}
+
 // The deterministic order's dQ writer of consumer warpgroup cw: warp 1 + cw of the producer
 // warpgroup, otherwise idle. For each tile the consumers stage (in their own buffer,
 // `stage_dq`) it waits for the tile's turn, adds it with TMA reductions, frees the buffer once
@@ -586,24 +574,15 @@ __device__ __forceinline__ void bwd_dq_writer(const CUtensorMap* tm_dq, uint32_t
     if (handoff->end) return;
     int32_t* const sem = sems + handoff->sem;
     if (lane == 0) {
-      dq_wait_turn(sem, handoff->ticket);
-      fence_proxy_async_global();
-      const int col = cw * Tr::kDqCols;
-#pragma unroll
-      for (int b = 0; b < Tr::kDqBoxes; ++b) {
-        tma_reduce_add_4d(tm_dq, stage_dq + b * Tr::kDqBoxBytes, col + 32 * b, handoff->head,
-                          handoff->row, handoff->batch);
-      }
+      dq_turn_wait(sem, handoff->ticket);
+      dq_reduce_boxes<Tr::kDqBoxes>(tm_dq, stage_dq, cw * Tr::kDqCols, handoff->head,
+                                    {handoff->row, handoff->batch});
       tma_commit();
       tma_wait_read();
     }
     __syncwarp();
     named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
-    if (lane == 0) {
-      tma_wait_all();
-      fence_proxy_async_global();
-      dq_pass_turn(sem);
-    }
+    if (lane == 0) dq_turn_pass(sem);
     // The barriers are warp-collective: the warp meets again before the next one.
     __syncwarp();
   }
@@ -641,19 +620,16 @@ __device__ __forceinline__ void bwd_dq_writer_split(const CUtensorMap* tm_dq, ui
       if ((flags & kPairZeroRows) == 0) {
         const int m0 = hdr->m0;
         const int head = hdr->head;
-        const int row = static_cast<int>((args.layout.varlen() ? cta_tile->span.q_start : 0) + m0);
-        const int batch = args.layout.varlen() ? 0 : static_cast<int>(cta_tile->span.seq);
+        const BwdDqRow at = bwd_dq_row(*cta_tile, args.layout.varlen(), m0);
         if (args.dq_semaphores != nullptr) {
           sem = args.dq_semaphores + hdr->dq_offset / Tr::kD * kDqCounters + cw;
-          dq_wait_turn(sem, dq_ticket(cta_tile->mask, m0, hdr->rows, cta_tile->n0, Tr::kBlockN));
-          fence_proxy_async_global();
+          dq_turn_wait(sem, dq_ticket(cta_tile->mask, m0, hdr->rows, cta_tile->n0, Tr::kBlockN));
         }
-        const uint32_t panels = stage * Tr::kQStageBytes + cw * Tr::kDkCols / 64 * 8192;
-#pragma unroll
-        for (int b = 0; b < 2 * Tr::kDqGemms; ++b) {
-          const uint32_t src = (b < 2 ? q_smem : do_smem) + panels + (b % 2) * 8192;
-          tma_reduce_add_4d(tm_dq, src, cw * Tr::kDkCols + 32 * b, head, row, batch);
-        }
+        // The first kDqCols columns from the warpgroup's Q panels, the next from its dO panels.
+        const uint32_t panels =
+            stage * Tr::kQStageBytes + cw * Tr::kDkCols / Tr::kPanelCols * Tr::kQPanelBytes;
+        dq_reduce_boxes<2>(tm_dq, q_smem + panels, cw * Tr::kDkCols, head, at);
+        dq_reduce_boxes<2>(tm_dq, do_smem + panels, cw * Tr::kDkCols + 64, head, at);
         tma_commit();
         tma_wait_read();
       }
@@ -661,11 +637,7 @@ __device__ __forceinline__ void bwd_dq_writer_split(const CUtensorMap* tm_dq, ui
     }
     __syncwarp();
     named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
-    if (lane == 0 && sem != nullptr) {
-      tma_wait_all();
-      fence_proxy_async_global();
-      dq_pass_turn(sem);
-    }
+    if (lane == 0 && sem != nullptr) dq_turn_pass(sem);
     __syncwarp();
   }
   // The CTA's shared memory outlives the reductions' reads (waited for above); their writes are
@@ -1063,7 +1035,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           wgmma_fence();
 #pragma unroll
           for (int k = 0; k < kBlockN / 16; ++k) {
-            wgmma_ss_trans<T, Tr::kDqCols>(
+            wgmma_ss_trans<Tr::kDqCols, T>(
                 dq, desc_advance(ds_desc, k * 16 * Tr::kRowBytes),
                 desc_advance(k_mn_desc, h * Tr::kKVPanelBytes + k * 16 * Tr::kRowBytes),
                 k > 0 ? 1u : 0u);
@@ -1120,7 +1092,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < kBlockN / 16; ++k) {
-          wgmma_ss_trans<T, Tr::kDqCols>(dq, desc_advance(ds_desc, k * 16 * Tr::kRowBytes),
+          wgmma_ss_trans<Tr::kDqCols, T>(dq, desc_advance(ds_desc, k * 16 * Tr::kRowBytes),
                                          desc_advance(k_mn_desc, k * 16 * Tr::kRowBytes),
                                          k > 0 ? 1u : 0u);
         }
@@ -1156,9 +1128,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (ctid % 128 == 0) {
               BwdDqHandoff* const h =
                   reinterpret_cast<BwdDqHandoff*>(smem + Tr::kHandoffOffset) + ctid / 128;
+              const BwdDqRow at = bwd_dq_row(*cta_tile, varlen, m0);
               h->sem = dq_offset / kD * kDqCounters + ctid / 128;
-              h->row = static_cast<int>((varlen ? cta_tile->span.q_start : 0) + m0);
-              h->batch = varlen ? 0 : static_cast<int>(cta_tile->span.seq);
+              h->row = at.row;
+              h->batch = at.batch;
               h->head = head;
               h->ticket = dq_ticket(cta_tile->mask, m0, rows, cta_tile->n0, kBlockN);
               h->end = 0;
@@ -1167,15 +1140,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           } else {
             named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
             if (ctid % 128 == 0) {
-              const uint32_t src = tc::smem_addr(stage_dq);
-              const int col = (ctid / 128) * Tr::kDqCols;
-              const int row = static_cast<int>((varlen ? cta_tile->span.q_start : 0) + m0);
-              const int batch = varlen ? 0 : static_cast<int>(cta_tile->span.seq);
-#pragma unroll
-              for (int b = 0; b < Tr::kDqBoxes; ++b) {
-                tma_reduce_add_4d(&tm_dq, src + b * Tr::kDqBoxBytes, col + 32 * b, head, row,
-                                  batch);
-              }
+              dq_reduce_boxes<Tr::kDqBoxes>(&tm_dq, tc::smem_addr(stage_dq),
+                                            (ctid / 128) * Tr::kDqCols, head,
+                                            bwd_dq_row(*cta_tile, varlen, m0));
               tma_commit();
             }
           }

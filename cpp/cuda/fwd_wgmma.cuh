@@ -389,11 +389,12 @@ __device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) 
 // S = Q K^T: A and B both K-major in shared memory (imm-trans-a = imm-trans-b = 0). Operands
 // after the accumulators: %IA = A descriptor, %IB = B descriptor, %IS = scale_d (0 overwrites the
 // accumulator, 1 accumulates).
-#define JF_WGMMA_SS(N, TY, DP, FOPS, IA, IB, IS)                                              \
+// TR is the pair imm-trans-a, imm-trans-b: "0, 0" here, "1, 1" for wgmma_ss_trans.
+#define JF_WGMMA_SS(N, TY, DP, FOPS, IA, IB, IS, TR)                                          \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IS                                       \
                ", 0;\n"                                                                       \
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {" DP "}, %" #IA \
-               ", %" #IB ", p, 1, 1, 0, 0;\n}\n"                                              \
+               ", %" #IB ", p, 1, 1, " TR ";\n}\n"                                            \
                : FOPS(d)                                                                      \
                : "l"(desc_a), "l"(desc_b), "r"(scale_d))
 
@@ -407,11 +408,11 @@ __device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) 
                : FOPS(d)                                                                       \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
 
-#define JF_SS_CASE(N, DP, FOPS, IA, IB, IS)       \
-  if constexpr (kBf16) {                          \
-    JF_WGMMA_SS(N, "bf16", DP, FOPS, IA, IB, IS); \
-  } else {                                        \
-    JF_WGMMA_SS(N, "f16", DP, FOPS, IA, IB, IS);  \
+#define JF_SS_CASE(N, DP, FOPS, IA, IB, IS, TR)       \
+  if constexpr (kBf16) {                              \
+    JF_WGMMA_SS(N, "bf16", DP, FOPS, IA, IB, IS, TR); \
+  } else {                                            \
+    JF_WGMMA_SS(N, "f16", DP, FOPS, IA, IB, IS, TR);  \
   }
 #define JF_RS_CASE(N, DP, FOPS, A0, A1, A2, A3, IB, IS)       \
   if constexpr (kBf16) {                                      \
@@ -427,15 +428,31 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 2], uint64_t desc_a, ui
   static_assert(kN == 32 || kN == 64 || kN == 80 || kN == 128 || kN == 176,
                 "no wgmma_ss wrapper for this N");
   if constexpr (kN == 32) {
-    JF_SS_CASE(32, JF_DP2, JF_F2, 16, 17, 18)
+    JF_SS_CASE(32, JF_DP2, JF_F2, 16, 17, 18, "0, 0")
   } else if constexpr (kN == 64) {
-    JF_SS_CASE(64, JF_DP4, JF_F4, 32, 33, 34)
+    JF_SS_CASE(64, JF_DP4, JF_F4, 32, 33, 34, "0, 0")
   } else if constexpr (kN == 80) {
-    JF_SS_CASE(80, JF_DP5, JF_F5, 40, 41, 42)
+    JF_SS_CASE(80, JF_DP5, JF_F5, 40, 41, 42, "0, 0")
   } else if constexpr (kN == 128) {
-    JF_SS_CASE(128, JF_DP8, JF_F8, 64, 65, 66)
+    JF_SS_CASE(128, JF_DP8, JF_F8, 64, 65, 66, "0, 0")
   } else {
-    JF_SS_CASE(176, JF_DP11, JF_F11, 88, 89, 90)
+    JF_SS_CASE(176, JF_DP11, JF_F11, 88, 89, 90, "0, 0")
+  }
+}
+
+// The same with both operands MN-major (imm-trans-a = imm-trans-b = 1): dQ = dS K in the
+// backward, A = dS^T read as dS and B = K. An n32 B operand starts 64 bytes into a 128-byte
+// swizzled row for the upper half of a 64-column panel, as a K-major operand's k-steps start 32
+// bytes in: the hardware applies the swizzle to the address it forms.
+template <int kN, typename T>
+__device__ __forceinline__ void wgmma_ss_trans(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b,
+                                               uint32_t scale_d) {
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  static_assert(kN == 32 || kN == 64, "no wgmma_ss_trans wrapper for this N");
+  if constexpr (kN == 32) {
+    JF_SS_CASE(32, JF_DP2, JF_F2, 16, 17, 18, "1, 1")
+  } else {
+    JF_SS_CASE(64, JF_DP4, JF_F4, 32, 33, 34, "1, 1")
   }
 }
 
