@@ -581,6 +581,12 @@ bool same_bits(const Outputs& a, const Outputs& b) {
 // Deterministic calls of one case, after the first.
 constexpr int kRepeats = 3;
 
+// One backward call, waited for.
+void run_backward(const BwdParams& p) {
+  CHECK_CUDA(jax_flash::cuda::bwd_wgmma(p, DType::kBF16, nullptr));
+  CHECK_CUDA(cudaDeviceSynchronize());
+}
+
 void reference(const Run& r, float* rdq, float* rdk, float* rdv) {
   const int64_t threads = rows_q(r.c) * r.c.hq;
   if (threads == 0) return;
@@ -620,8 +626,7 @@ bool check_case(const Case& c, uint64_t seed) {
   if (!jax_flash::cuda::bwd_wgmma_supported(p, DType::kBF16)) {
     std::printf("FAIL unsupported %s\n", describe(c).c_str());
   } else {
-    CHECK_CUDA(jax_flash::cuda::bwd_wgmma(p, DType::kBF16, nullptr));
-    CHECK_CUDA(cudaDeviceSynchronize());
+    run_backward(p);
     const std::vector<__nv_bfloat16> gdq = to_host(r.dq, nq), gdk = to_host(r.dk, nk),
                                      gdv = to_host(r.dv, nk);
     if (c.malformed) {
@@ -642,17 +647,14 @@ bool check_case(const Case& c, uint64_t seed) {
       const Outputs first = read_outputs(r);
       int differ = 0;
       for (int i = 0; i < kRepeats; ++i) {
-        CHECK_CUDA(jax_flash::cuda::bwd_wgmma(p, DType::kBF16, nullptr));
-        CHECK_CUDA(cudaDeviceSynchronize());
+        run_backward(p);
         differ += same_bits(first, read_outputs(r)) ? 0 : 1;
       }
       BwdParams unordered = p;
       unordered.dq_semaphores = nullptr;
-      CHECK_CUDA(jax_flash::cuda::bwd_wgmma(unordered, DType::kBF16, nullptr));
-      CHECK_CUDA(cudaDeviceSynchronize());
+      run_backward(unordered);
       const Outputs d0 = read_outputs(r);
-      CHECK_CUDA(jax_flash::cuda::bwd_wgmma(unordered, DType::kBF16, nullptr));
-      CHECK_CUDA(cudaDeviceSynchronize());
+      run_backward(unordered);
       const bool default_repeats = same_bits(d0.dq_accum, read_outputs(r).dq_accum);
       ok = ok && differ == 0;
       std::printf(
