@@ -5,10 +5,11 @@
 //   nvcc -std=c++17 -O3 -I cpp -gencode=arch=compute_90a,code=sm_90a -DJAX_FLASH_BUILT_SM90A=1 \
 //       tools/wgmma_check.cu \
 //       cpp/cuda/fwd_wgmma.cu cpp/cuda/sm90_host.cu -o wgmma_check
-// Run: ./wgmma_check [--quick | --softmax]
+// Run: ./wgmma_check [--quick | --softmax | --time]
 //   --quick: a few small cases, no timing; for compute-sanitizer.
 //   --softmax: only the softmax-bound timing cells (part 3), no correctness cases; for comparing
 //   two builds back to back.
+//   --time: parts 2 and 3 only (no correctness cases).
 //
 // Part 1 compares O and lse with a naive float32 reference on the GPU (one thread per query row
 // and head) over awkward shapes: dense and packed (cu_seqlens) batches, causal and sliding-window
@@ -862,6 +863,7 @@ void time_softmax_cells() {
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   const bool softmax_only = argc > 1 && std::strcmp(argv[1], "--softmax") == 0;
+  const bool time_only = argc > 1 && std::strcmp(argv[1], "--time") == 0;
   int device = 0;
   CHECK_CUDA(cudaGetDevice(&device));
   cudaDeviceProp prop;
@@ -909,6 +911,7 @@ int main(int argc, char** argv) {
     }
   }
   int failures = 0;
+  if (time_only) cases.clear();
   for (size_t i = 0; i < cases.size(); ++i) {
     failures += run_case(cases[i], static_cast<int>(i)) ? 0 : 1;
   }
