@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Builds one standalone kernel driver from several source trees and runs the builds back to back in
+# one device call, so that kernel versions are compared on the same machine (a fresh device machine
+# per call can differ by several percent). A tree is a directory holding cpp/ and tools/ (`.` for
+# this checkout; another version is materialised before the call, e.g.
+# `git archive <rev> cpp tools | tar -x -C exp_new`), optionally followed by `:` and extra nvcc
+# flags (an experiment's -D switches).
+#
+# Usage: bash tools/ab_driver.sh DRIVER KERNEL "DRIVER_ARGS" TREE[:FLAGS] TREE[:FLAGS] ...
+# (KERNEL `-`: the driver holds its kernels itself.)
+#   bash tools/ab_driver.sh tools/wgmma_check.cu cpp/cuda/fwd_wgmma.cu --time \
+#       . exp_new exp_new:-DJAX_FLASH_FWD_STORE_4B
+# Each build's output goes to $OUT/ab_<n>.txt (n = the tree's position); the table printed at the
+# end puts every rate line (TFLOP/s or GB/s) of the builds side by side, with each build's ratio
+# to the first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-out}"
+mkdir -p "$out" build
+driver=$1
+kernel=$2
+args=$3
+shift 3
+specs=("$@")
+gencode="${GPU_GENCODE:--gencode=arch=compute_90a,code=sm_90a}"
+[ "$kernel" = - ] && kernel=""
+n=0
+pids=()
+for spec in "$@"; do
+  tree=${spec%%:*}
+  flags=""
+  [ "$tree" != "$spec" ] && flags=${spec#*:}
+  # shellcheck disable=SC2086
+  (cd "$tree" && nvcc -std=c++17 -O3 -lineinfo -I cpp $gencode -DJAX_FLASH_BUILT_SM90A=1 $flags \
+    "$driver" $kernel cpp/cuda/sm90_host.cu -o "$OLDPWD/build/ab_$n") > "/tmp/ab_build_$n.log" 2>&1 &
+  pids+=($!)
+  n=$((n + 1))
+done
+status=0
+for i in "${!pids[@]}"; do
+  if ! wait "${pids[$i]}"; then
+    echo "build $i (${specs[$i]}) failed:" && tail -20 "/tmp/ab_build_$i.log"
+    status=1
+  fi
+done
+[ $status -ne 0 ] && exit $status
+for ((i = 0; i < n; i++)); do
+  echo "=== build $i: ${specs[$i]}"
+  # shellcheck disable=SC2086
+  timeout "${AB_TIMEOUT:-300}" "build/ab_$i" $args > "$out/ab_$i.txt" 2>&1
+  echo "exit $?"
+done
+python3 - "$out" "$n" "$@" <<'PY'
+import re
+import sys
+
+out, n, specs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+rate = re.compile(r"^(.*?)\s+([\d.]+) (?:ms|us)\s+([\d.]+) (TFLOP/s|GB/s)")
+runs = []
+for i in range(n):
+    rows = []
+    with open(f"{out}/ab_{i}.txt") as f:
+        for line in f:
+            m = rate.search(line)
+            if m:
+                rows.append((m.group(1).strip(), float(m.group(3))))
+    runs.append(rows)
+print("builds: " + "  ".join(f"[{i}] {s}" for i, s in enumerate(specs)))
+for j, (label, first) in enumerate(runs[0]):
+    cells = [f"{first:8.1f}"]
+    for rows in runs[1:]:
+        if j < len(rows) and rows[j][0] == label:
+            cells.append(f"{rows[j][1]:8.1f} x{rows[j][1] / first:5.3f}")
+        else:
+            cells.append("       -       ")
+    print(f"{label[:60]:60s} " + "  ".join(cells))
+PY
