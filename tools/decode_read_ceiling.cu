@@ -107,6 +107,28 @@ __global__ void read_flat(const uint4* __restrict__ p, size_t n, unsigned* sink)
   keep(acc, sink);
 }
 
+// The decode kernel's ring over `tiles` K+V tiles: wait for tile t, barrier, issue tile
+// t + kStages - 1 with load(tile, stage).
+template <int kStages, typename Load>
+__device__ __forceinline__ void stream_ring(const char* ring, int tiles, Load load,
+                                            unsigned* sink) {
+  const int tid = static_cast<int>(threadIdx.x);
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < tiles) load(s, s);
+    cp_async_commit();
+  }
+  unsigned acc = 0;
+  for (int t = 0; t < tiles; ++t) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    if (t + kStages - 1 < tiles) load(t + kStages - 1, (t + kStages - 1) % kStages);
+    cp_async_commit();
+    acc ^=
+        reinterpret_cast<const unsigned*>(ring + (t % kStages) * 2 * kTileBytes)[tid * 67 % 4096];
+  }
+  keep(acc, sink);
+}
+
 // The decode kernel's ring: wait for tile t, barrier, issue tile t + kStages - 1.
 template <int kStages, Copy kCopy>
 __global__ void __launch_bounds__(128)
@@ -130,20 +152,7 @@ __global__ void __launch_bounds__(128)
       copy16<kCopy>(dst + kTileBytes + x * 8 * 256, v + off, policy);
     }
   };
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < bk.tiles) load(s, s);
-    cp_async_commit();
-  }
-  unsigned acc = 0;
-  for (int t = 0; t < bk.tiles; ++t) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();
-    if (t + kStages - 1 < bk.tiles) load(t + kStages - 1, (t + kStages - 1) % kStages);
-    cp_async_commit();
-    acc ^=
-        reinterpret_cast<const unsigned*>(ring + (t % kStages) * 2 * kTileBytes)[tid * 67 % 4096];
-  }
-  keep(acc, sink);
+  stream_ring<kStages>(ring, bk.tiles, load, sink);
 }
 
 // Block i streams its own contiguous chunk of K and of V through a 3-stage ring.
@@ -151,7 +160,6 @@ __global__ void __launch_bounds__(128)
     chunk_cp_async(const char* k, const char* v, size_t chunk_bytes, unsigned* sink) {
   extern __shared__ uint4 smem[];
   char* ring = reinterpret_cast<char*>(smem);
-  constexpr int kStages = 3;
   const int tid = static_cast<int>(threadIdx.x);
   const char* kb = k + blockIdx.x * chunk_bytes;
   const char* vb = v + blockIdx.x * chunk_bytes;
@@ -165,20 +173,7 @@ __global__ void __launch_bounds__(128)
       copy16<Copy::kHint256>(dst + kTileBytes + x * 2048 + tid * 16, vb + off, 0);
     }
   };
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < tiles) load(s, s);
-    cp_async_commit();
-  }
-  unsigned acc = 0;
-  for (int t = 0; t < tiles; ++t) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();
-    if (t + kStages - 1 < tiles) load(t + kStages - 1, (t + kStages - 1) % kStages);
-    cp_async_commit();
-    acc ^=
-        reinterpret_cast<const unsigned*>(ring + (t % kStages) * 2 * kTileBytes)[tid * 67 % 4096];
-  }
-  keep(acc, sink);
+  stream_ring<3>(ring, tiles, load, sink);
 }
 
 // Register loads of the per-(sequence, head, split) pattern; no shared memory.
