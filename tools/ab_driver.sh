@@ -55,7 +55,7 @@ import re
 import sys
 
 out, n, specs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-rate = re.compile(r"^(.*?)\s+([\d.]+) (?:ms|us)\s+([\d.]+) (TFLOP/s|GB/s)")
+rate = re.compile(r"^(.*?)\s+([\d.]+) (?:ms|us),?\s+([\d.]+) (TFLOP/s|GB/s)")
 runs = []
 for i in range(n):
     rows = []

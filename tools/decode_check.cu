@@ -6,6 +6,7 @@
 //       -DJAX_FLASH_BUILT_SM90A=1 tools/decode_check.cu cpp/cuda/decode.cu -o build/decode_check
 // Run: build/decode_check            every correctness case, then exit 1 if any failed
 //      build/decode_check --bench    the bandwidth table (bf16, GQA 32/8, head_dim 128)
+//      build/decode_check --bench 32 65536   one cell of it (contiguous cache, one query)
 //      JAX_FLASH_DECODE_TILES=compact build/decode_check   the same cases on the compact tiles
 //                                    (the configuration GPUs with < 227 KB smem per block get)
 //      compute-sanitizer --tool memcheck build/decode_check   (racecheck / synccheck likewise)
@@ -752,7 +753,9 @@ int64_t recommended_splits(int64_t batch, int64_t heads_kv, int64_t rows, int64_
   return std::clamp<int64_t>(want, 1, cap);
 }
 
-void bench() {
+// `only_batch` / `only_keys` > 0: only that shape, contiguous cache, one query token (a single
+// cell for a profiler).
+void bench(int64_t only_batch, int64_t only_keys) {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   const int sms = prop.multiProcessorCount;
@@ -765,9 +768,12 @@ void bench() {
     int64_t batch, keys;
   };
   const Shape shapes[] = {{1, 65536}, {8, 65536}, {32, 65536}, {1, 8192}};
+  const bool one = only_batch > 0;
   for (int64_t sq : {1, 4}) {
     for (const Shape& sh : shapes) {
+      if (one && (sq != 1 || sh.batch != only_batch || sh.keys != only_keys)) continue;
       for (int64_t ps : {0, 16, 256}) {
+        if (one && ps != 0) continue;
         const int64_t rows_per_copy = sh.batch * sh.keys;
         const int64_t cache_bytes = rows_per_copy * hkv * hd * 2 * 2;
         // Rotate over copies so that the working set is at least 4x L2 (one copy of a 256 MB
@@ -879,7 +885,8 @@ void bench() {
 
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "--bench") == 0) {
-    bench();
+    // --bench [BATCH KEYS]: the whole table, or one of its cells.
+    bench(argc > 3 ? std::atoll(argv[2]) : 0, argc > 3 ? std::atoll(argv[3]) : 0);
     return 0;
   }
   uint64_t seed = 1234;
