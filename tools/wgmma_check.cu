@@ -5,11 +5,12 @@
 //   nvcc -std=c++17 -O3 -I cpp -gencode=arch=compute_90a,code=sm_90a -DJAX_FLASH_BUILT_SM90A=1 \
 //       tools/wgmma_check.cu \
 //       cpp/cuda/fwd_wgmma.cu cpp/cuda/sm90_host.cu -o wgmma_check
-// Run: ./wgmma_check [--quick | --softmax | --time]
+// Run: ./wgmma_check [--quick | --softmax | --time | --cell D S causal|full]
 //   --quick: a few small cases, no timing; for compute-sanitizer.
 //   --softmax: only the softmax-bound timing cells (part 3), no correctness cases; for comparing
 //   two builds back to back.
 //   --time: parts 2 and 3 only (no correctness cases).
+//   --cell: one dense cell of part 2 (head_dim D, seqlen S, batch 16384 / S); for a profiler.
 //
 // Part 1 compares O and lse with a naive float32 reference on the GPU (one thread per query row
 // and head) over awkward shapes: dense and packed (cu_seqlens) batches, causal and sliding-window
@@ -873,6 +874,25 @@ int main(int argc, char** argv) {
 
   if (softmax_only) {
     time_softmax_cells();
+    return 0;
+  }
+  // --cell D S causal|full: one cell of the timing grid below (bf16, 16k tokens, hidden 2048),
+  // with no correctness launches before it, for a profiler (its 6th launch is a timed one).
+  if (argc > 4 && std::strcmp(argv[1], "--cell") == 0) {
+    const int head_dim = std::atoi(argv[2]);
+    const int s = std::atoi(argv[3]);
+    const bool causal = std::strcmp(argv[4], "causal") == 0;
+    if ((head_dim != 64 && head_dim != 128 && head_dim != 256) || s <= 0 || 16384 % s != 0) {
+      std::printf("--cell: head_dim 64, 128 or 256 and a seqlen dividing 16384\n");
+      return 2;
+    }
+    const int heads = 2048 / head_dim;
+    Case c = dense(DType::kBF16, head_dim, s, s, heads, kUnbounded, causal ? 0 : kUnbounded);
+    c.batch = 16384 / s;
+    c.heads_q = heads;
+    char label[64];
+    std::snprintf(label, sizeof(label), "B=%2d S=%5d %s", c.batch, s, causal ? "causal" : "full");
+    time_case(c, label, 0.0);
     return 0;
   }
 
