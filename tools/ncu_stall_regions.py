@@ -59,21 +59,18 @@ def main() -> None:
         raise SystemExit("no stall samples in the file (was SourceCounters collected?)")
 
     print(f"{args.csv.name}: {len(rows)} instructions, {total:.0f} samples")
+    source = [r[col["Source"]].strip() for r in rows]
+    ends = [k for k, text in enumerate(source) if any(mark in text for mark in SYNC_MARKS)]
     start = 0
-    for k, row in enumerate(rows + [["", "end"]]):
-        ends = k == len(rows) or any(mark in row[col["Source"]] for mark in SYNC_MARKS)
-        if not ends:
-            continue
+    for k in ends + [len(rows) - 1]:
         share = sum(number(r[samples]) for r in rows[start : k + 1]) / total * 100
         if share >= args.min:
-            last = row[col["Source"]].strip() if k < len(rows) else "(end)"
-            print(f"  [{start:5d}-{k:5d}] {share:5.1f}%  ends at {last[:64]}")
+            print(f"  [{start:5d}-{k:5d}] {share:5.1f}%  ends at {source[k][:64]}")
         start = k + 1
 
-    alloc = next((k for k, r in enumerate(rows) if "USETMAXREG.TRY_ALLOC" in r[col["Source"]]), 0)
-    dealloc = next(
-        (k for k, r in enumerate(rows) if "USETMAXREG.DEALLOC" in r[col["Source"]]), len(rows)
-    )
+    alloc = next((k for k, text in enumerate(source) if "USETMAXREG.TRY_ALLOC" in text), 0)
+    dealloc = next((k for k, text in enumerate(source) if "USETMAXREG.DEALLOC" in text), len(rows))
+
     for role, part in (
         ("before the split", rows[:alloc]),
         ("consumers", rows[alloc:dealloc]),
