@@ -38,6 +38,7 @@
 namespace {
 
 using jax_flash::cuda::tc::cp_async_16;
+using jax_flash::cuda::tc::cp_async_16_stream;
 using jax_flash::cuda::tc::cp_async_commit;
 using jax_flash::cuda::tc::cp_async_wait;
 using jax_flash::cuda::tc::smem_addr;
@@ -60,8 +61,7 @@ __device__ __forceinline__ void copy16(void* dst, const void* src, uint64_t poli
   if constexpr (kCopy == Copy::kPlain) {
     cp_async_16(dst, src, true);
   } else if constexpr (kCopy == Copy::kHint256) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, 16;\n" ::"r"(smem_addr(dst)),
-                 "l"(src));
+    cp_async_16_stream(dst, src, true);  // the decode kernel's own copy
   } else {
     asm volatile(
         "cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, 16, %2;\n" ::"r"(
