@@ -1010,6 +1010,27 @@ int main(int argc, char** argv) {
     m.malformed = true;
     check(m);
   }
+  // Head_dim 64's 128-query tiles, whose warpgroups split dQ_i's rows 64 and 64 and mask the
+  // packed P^T: sequences ending at, before and after the 64th row of a tile (dense, and packed,
+  // where the short last tile adds from registers), ids that differ between q and kv, soft-capping
+  // with a window, in both orders.
+  {
+    check(dense(1, 192, 192, 2, 2, 64, -1, 0));
+    check(dense(2, 191, 193, 4, 2, 64));
+    Case e = dense(2, 200, 333, 4, 2, 64);
+    e.segments = 2;
+    check(e);
+    Case p = packed({0, 64, 129, 256, 385}, {0, 64, 129, 256, 385}, 400, 400, 2, 2, 64, -1, 0);
+    p.poison = 2;
+    check(p);
+    p.softcap = 0.5f;
+    p.left = 50;
+    check(p);
+    p.det = true;
+    check(p);
+    e.det = true;
+    check(e);
+  }
   // Head_dim 256 (64-key tiles, the warpgroups splitting the queries of S^T): the same kinds of
   // cases, fewer of each.
   for (int right : {-1, 0}) {

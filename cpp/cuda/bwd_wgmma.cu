@@ -22,7 +22,11 @@ using sm90::BwdWgmmaTraits;
 using sm90::encode_bshd;
 using sm90::sm90a_kernels_usable;
 
-constexpr int kBlockM = 64;
+// Queries per (query tile, key tile) pair (BwdWgmmaTraits::kBlockM): 128 at head_dim 64 with
+// JAX_FLASH_BWD_M128, 64 otherwise.
+constexpr int block_m(int64_t head_dim) {
+  return head_dim == 64 && JAX_FLASH_BWD_M128 != 0 ? 128 : 64;
+}
 // Keys per CTA (BwdWgmmaTraits::kBlockN): 64 at head_dim 256, 128 below.
 constexpr int block_n(int64_t head_dim) { return head_dim == 256 ? 64 : 128; }
 
@@ -52,7 +56,7 @@ bool params_supported(const BwdParams& p, DType dtype) {
   if (tiles * p.heads_kv > kIntMax) return false;
   // Query tiles of one sequence times the GQA group: the producer's loop count.
   const int64_t max_len_q = l.varlen() ? l.total_q : l.seqlen_q;
-  if ((max_len_q / kBlockM + 2) * (p.heads_q / p.heads_kv) > kIntMax) return false;
+  if ((max_len_q / block_m(p.head_dim) + 2) * (p.heads_q / p.heads_kv) > kIntMax) return false;
   // Pointers and alignment of what the call reads or writes: TMA sources and destinations (Q, K,
   // V, dO, dq_accum, dK, dV) need 16 bytes, dQ 8-byte stores.
   if (rows_q > 0) {
@@ -88,7 +92,7 @@ bool encode(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, const S
 template <typename T, int kHeadDim, bool kMasked, bool kSoftcap>
 cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
   using Tr = BwdWgmmaTraits<T, kHeadDim, kMasked, kSoftcap>;
-  static_assert(Tr::kBlockM == kBlockM && Tr::kBlockN == block_n(kHeadDim));
+  static_assert(Tr::kBlockM == block_m(kHeadDim) && Tr::kBlockN == block_n(kHeadDim));
   const SeqLayout& l = p.layout;
   const int64_t dq_elems = l.rows_q() * p.heads_q * Tr::kD;
   if (const cudaError_t err = zero_dq_accum(p.dq_accum, dq_elems, stream); err != cudaSuccess) {
@@ -113,7 +117,7 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
         (!encode(&tm_q, type, p.q, l, false, p.heads_q, Tr::kD, Tr::kBlockM) ||
          !encode(&tm_do, type, p.dout, l, false, p.heads_q, Tr::kD, Tr::kBlockM) ||
          !encode(&tm_dq, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.dq_accum, l, false, p.heads_q, Tr::kD,
-                 Tr::kBlockM, 4))) {
+                 Tr::kDqBoxRows, 4))) {
       return cudaErrorInvalidValue;
     }
     // dK / dV are stored by each consumer warpgroup, 64 key rows at a time.

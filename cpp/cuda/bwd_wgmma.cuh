@@ -2,7 +2,7 @@
 // paper's backward. One CTA per (128-key tile, kv head) of the tile scheduler (common/schedule.h):
 // K_j and V_j are loaded once by TMA; a producer warp streams Q_i, dO_i (TMA) and lse_i, delta_i
 // (plain loads) of every query tile that the mask lets see the key tile, for every query head of
-// the GQA group, through a two-stage ring guarded by mbarriers; two consumer warpgroups, each
+// the GQA group, through a ring of stages guarded by mbarriers; two consumer warpgroups, each
 // owning 64 of the 128 keys, compute
 //   S^T = K Q^T, dP^T = V dO^T                      (wgmma, both operands from shared memory)
 //   P^T = 2^(S^T scale log2e - lse log2e), dS^T = P^T (dP^T - delta)       (registers)
@@ -18,12 +18,13 @@
 // warpgroup's dead Q / dO panels, writer warps issue every reduction (bwd_dq_writer_split).
 // Head_dim 64, 128 and 256; at 256 (BwdWgmmaTraits::kSplitQ) a CTA owns 64 keys, the warpgroups
 // split dK / dV's columns and S^T's queries, and exchange their halves of P^T and dS^T through
-// shared memory. Inside a warpgroup the GEMMs of one query tile are ordered so that each
-// runs under elementwise work: dV under dS = P (dP - delta) and the dS^T stores, dK under the
-// dQ_i staging (dQ_i is computed before dK for that reason). Working on the
-// transposed products keeps the key axis on the accumulator rows, so dK and dV stay in registers
-// across the whole loop and P^T, dS^T are already in the register-operand layout of the dV/dK
-// GEMMs.
+// shared memory. At 64 (JAX_FLASH_BWD_M128) a query tile has 128 rows instead of 64, and the
+// warpgroups split dQ_i's rows rather than its columns. Inside a warpgroup the GEMMs of one query
+// tile are ordered so that each runs under elementwise work: dV under dS = P (dP - delta) and the
+// dS^T stores, dK under the dQ_i staging (dQ_i is computed before dK for that reason). Working on
+// the transposed products keeps the key axis on the accumulator rows, so dK and dV stay in
+// registers across the whole loop and P^T, dS^T are already in the register-operand layout of the
+// dV/dK GEMMs.
 //
 // Masks (common/mask.h) are decided once per (query tile, key tile) pair by the producer, which
 // skips the pairs no query of which sees a key (outside the band's row range, disjoint segment
@@ -69,6 +70,12 @@ struct BwdWgmmaArgs {
   float softcap_log2;   // softcap * log2(e)
 };
 
+// Head_dim 64 with 128 queries per (query tile, key tile) pair (1) or 64 (0, the tile of head_dim
+// 128 and 256), to compare the two.
+#ifndef JAX_FLASH_BWD_M128
+#define JAX_FLASH_BWD_M128 1
+#endif
+
 // kMasked: the band has a finite bound or segment ids are given, so tile pairs inside a sequence
 // may be skipped or need element masking (without it only the end of a sequence is masked).
 // kSoftcap: logit soft-capping.
@@ -88,23 +95,58 @@ struct BwdWgmmaTraits {
   // reduce over all the tile's queries.
   static constexpr bool kSplitQ = kD == 256;
   static constexpr int kBlockN = kSplitQ ? 64 : 64 * kConsumerWarpgroups;
-  static constexpr int kBlockM = 64;
+  // Queries per pair. Head_dim 64 (JAX_FLASH_BWD_M128): 128, so that the per-pair fixed costs
+  // (stage and GEMM waits, the dS^T barrier, proxy fences, the dQ_i hand-off, the header and
+  // lse / delta handling), which dominate a pair of the short head_dim-64 GEMMs, are paid once
+  // per 128 queries, and S^T is one m64n128 GEMM (each K fragment read once per 128 queries);
+  // kPair128 below says how the registers fit. Head_dim 128 and 256 keep 64 (their dK / dV
+  // registers leave no room).
+  static constexpr int kBlockM = kD == 64 && JAX_FLASH_BWD_M128 != 0 ? 128 : 64;
   static constexpr int kSCols = kSplitQ ? kBlockM / kConsumerWarpgroups : kBlockM;
   static constexpr int kDkCols = kSplitQ ? kD / kConsumerWarpgroups : kD;
-  // Q / dO stages: a third fits beside the head_dim-64 tiles, and gives the producer a whole
-  // extra pair's time to refill a stage; head_dim 128 and 256 have room for two.
-  static constexpr int kStages = kD == 64 ? 3 : 2;
-  // dQ_i = dS K: the two warpgroups split the head dimension and reduce over all the tile's keys,
-  // so each needs the other's dS^T rows, and each dQ element is added to dq_accum once per key
-  // tile; kDqGemms GEMMs of kDqCols columns each, added through TMA reductions. Head_dim 256 has
-  // no shared memory left for a staging buffer (kDqStaged is false there): it stages dQ_i in the
-  // warpgroup's own panels of Q and dO once they are dead (bwd_dq_writer_split).
-  static constexpr int kDqCols = kSplitQ ? 64 : kD / kConsumerWarpgroups;
-  static constexpr int kDqGemms = kD / (kConsumerWarpgroups * kDqCols);
+  // Q / dO stages: with 64-query tiles a third fits beside the head_dim-64 tiles, and gives the
+  // producer a whole extra pair's time to refill a stage; 128-query tiles (Q and dO 32 KB a
+  // stage, a third would pass the 227 KB) and head_dim 128 and 256 have room for two.
+  static constexpr int kStages = kD == 64 && kBlockM == 64 ? 3 : 2;
+  // dQ_i = dS K reduces over all the tile's keys, so each warpgroup needs the other's dS^T rows,
+  // and each dQ element is added to dq_accum once per key tile; kDqGemms GEMMs of kDqCols columns
+  // each, added through TMA reductions. With 64-query tiles the two warpgroups split the head
+  // dimension; with 128 (kDqSplitRows) they split the queries instead, 64 each with all the
+  // columns (one m64n64 GEMM over the 128 keys, staged as two of the same 64-row TMA boxes).
+  // Head_dim 256 has no shared memory left for a staging buffer
+  // (kDqStaged is false there): it stages dQ_i in the warpgroup's own panels of Q and dO once
+  // they are dead (bwd_dq_writer_split).
+  static constexpr bool kDqSplitRows = kBlockM == 64 * kConsumerWarpgroups && !kSplitQ;
+  static constexpr int kDqRows = kDqSplitRows ? kBlockM / kConsumerWarpgroups : kBlockM;
+  static constexpr int kDqCols = kSplitQ ? 64 : kDqSplitRows ? kD : kD / kConsumerWarpgroups;
+  static constexpr int kDqGemms = kDqSplitRows ? 1 : kD / (kConsumerWarpgroups * kDqCols);
   static constexpr bool kDqStaged = !kSplitQ;
+  // Rows of one dq_accum TMA box. kWarpDq (head_dim 64 / 128, order of arrival): each consumer
+  // warp adds its own 16 query rows of dQ_i as soon as it has staged them, with no warpgroup
+  // barrier between the staging and the reduction. The deterministic writer then adds a tile as
+  // kDqRows / kDqBoxRows pieces; head_dim 256 keeps 64-row boxes.
+#ifndef JAX_FLASH_BWD_WARP_DQ
+#define JAX_FLASH_BWD_WARP_DQ 1
+#endif
+  static constexpr bool kWarpDq = JAX_FLASH_BWD_WARP_DQ != 0 && !kSplitQ;
+  static constexpr int kDqBoxRows = kWarpDq ? 16 : kDqRows;
 
   // Consumers hold dK and dV (kDkCols / 2 registers each), S^T and dP^T (kSCols / 2 each), dQ
-  // (kDqCols / 2) and the 16-bit P^T, dS^T (kBlockM / 4 each).
+  // (kDqCols / 2) and the 16-bit P^T, dS^T (kSCols / 4 each). With 128-query tiles (kPair128)
+  // S^T, dP^T, dK and dV alone take 192 of the 240 registers, and the pair loop is arranged so
+  // that hardly more is live at once:
+  // - the float32 factor of dS that bwd_probs leaves in S^T's registers (P, or P (1 - t^2) with
+  //   soft-capping) is kept as f16 pairs instead (wh, 32 registers; S^T is then dead), as the
+  //   mma.sync backward keeps P for dS: for a factor in [0, 1] f16 is 4x more precise than the
+  //   bf16 rounding dS^T gets anyway;
+  // - dP^T is issued in two halves of 64 queries, the first with S^T, the second once the P^T
+  //   math is done and S^T is dead, so that its 32 registers are not taken during that math; the
+  //   first half's dS^T math then runs under the second half;
+  // - masked pairs run the unmasked P^T math, then clear the hidden elements of the packed P^T and
+  //   wh (bwd_mask_packed), with the mask as two bit masks (bwd_visible_bits) rather than a
+  //   predicate per element.
+  static constexpr bool kPair128 = kBlockM == 128;
+  static_assert(!kPair128 || !kSplitQ);
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
@@ -115,13 +157,15 @@ struct BwdWgmmaTraits {
   static constexpr int kKVBytes = kKVPanelBytes * kPanels;
   static constexpr int kQPanelBytes = kBlockM * kRowBytes;
   static constexpr int kQStageBytes = kQPanelBytes * kPanels;
-  // dS^T of one query tile: kBlockN key rows of kBlockM queries (one 128-byte panel); P^T alike
-  // where the warpgroups exchange it.
-  static constexpr int kDsBytes = kBlockN * kRowBytes;
+  // dS^T of one query tile: kBlockN key rows of kBlockM queries, in kDsPanels panels of 64
+  // queries (128-byte rows, as the TMA lays out Q); P^T alike where the warpgroups exchange it.
+  static constexpr int kDsPanels = kBlockM * 2 / kRowBytes;
+  static constexpr int kDsPanelBytes = kBlockN * kRowBytes;
+  static constexpr int kDsBytes = kDsPanelBytes * kDsPanels;
   static constexpr int kPBytes = kSplitQ ? kDsBytes : 0;
-  // dQ_i of one warpgroup (kBlockM queries x kDqCols head-dim columns, float32) on its way to
-  // dq_accum: TMA boxes of 32 columns, each kBlockM 128-byte rows with the 128-byte swizzle.
-  static constexpr int kDqBoxBytes = kBlockM * kRowBytes;
+  // dQ_i of one warpgroup (kDqRows queries x kDqCols head-dim columns, float32) on its way to
+  // dq_accum: TMA boxes of 32 columns, each kDqRows 128-byte rows with the 128-byte swizzle.
+  static constexpr int kDqBoxBytes = kDqRows * kRowBytes;
   static constexpr int kDqBoxes = kDqCols / 32;
   static constexpr int kDqWgBytes = kDqStaged ? kDqBoxBytes * kDqBoxes : 0;
   // Per stage: lse * log2(e), delta and the query segment ids (kBlockM 4-byte values each), then
@@ -155,14 +199,17 @@ struct BwdWgmmaTraits {
 
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>);
   static_assert(kD == 64 || kD == 128 || kD == 256, "head_dim 64, 128 and 256 only");
-  static_assert(kBlockM * 2 == kRowBytes, "dS^T rows must be exactly one swizzle span");
-  static_assert(kKVPanelBytes % 1024 == 0 && kQPanelBytes % 1024 == 0 && kDsBytes % 1024 == 0 &&
-                kDqBoxBytes % 1024 == 0);
+  static_assert(kBlockM * 2 == kDsPanels * kRowBytes, "dS^T rows are whole swizzle spans");
+  static_assert(kDsPanels == 1 || !kSplitQ, "the P^T / dS^T exchange reads one panel");
+  static_assert(kKVPanelBytes % 1024 == 0 && kQPanelBytes % 1024 == 0 &&
+                kDsPanelBytes % 1024 == 0 && kDqBoxBytes % 1024 == 0);
   static_assert(kDqCols == 64 || kDqCols == 32, "dQ GEMMs are m64n64 or m64n32");
-  static_assert(kDqBoxBytes == 8192 && kQPanelBytes == 8192,
+  static_assert(kDqRows == 64, "dQ GEMMs have 64 query rows (one wgmma M extent)");
+  static_assert(kDqBoxBytes == 8192 && (kQPanelBytes == 8192 || !kSplitQ),
                 "dq_reduce_boxes and stage_dq_boxes space the 32-column boxes 8 KB apart");
   static_assert(kDkCols == 128 || kDkCols == 64, "dV / dK GEMMs are m64n128 or m64n64");
-  static_assert(kSCols == 64 || kSCols == 32, "S^T GEMMs are m64n64 or m64n32");
+  static_assert(kSCols == 128 || kSCols == 64 || kSCols == 32,
+                "S^T GEMMs are m64n128, m64n64 or m64n32");
   static_assert(kRowStatBytes % 16 == 0, "headers are read as 16-byte vectors");
   static_assert(kHandoffOffset % 8 == 0, "the hand-off holds an int64_t");
   static_assert(kConsumerWarpgroups + 1 <= 4, "one writer warp per consumer warpgroup");
@@ -199,7 +246,7 @@ static_assert(sizeof(BwdPairHeader) == 48);
 // where the tile goes and when its turn comes.
 struct BwdDqHandoff {
   int64_t sem;  // the tile's counter: index into dq_semaphores
-  int row;      // TMA coordinates of the tile's first query row (packed: row of the [rows] view)
+  int row;      // TMA coordinates of the staged first query row (packed: row of the [rows] view)
   int batch;
   int head;
   int ticket;  // dq_ticket: the counter value at which the tile's turn comes
@@ -299,6 +346,13 @@ __device__ __forceinline__ float bwd_tanh_approx(float x) {
   return y;
 }
 
+// Half kH of an accumulator array: the m64nN accumulator's registers of columns
+// [kH N / 2, (kH + 1) N / 2) are exactly those of an m64n(N/2) accumulator of those columns.
+template <int kH, int kN>
+__device__ __forceinline__ auto& acc_half(float (&acc)[kN]) {
+  return *reinterpret_cast<float (*)[kN / 2]>(acc + kH * (kN / 2));
+}
+
 // threadIdx.x through a volatile read, which the compiler can neither hoist nor merge with
 // others: values derived from it are computed where they are used, not kept live in registers.
 __device__ __forceinline__ int fresh_thread_index() {
@@ -325,20 +379,91 @@ __device__ __forceinline__ void zero_tile_rows(uint8_t* tile, int row0) {
   }
 }
 
+// kPair128's element masking as two bit masks, one per accumulator row r of the thread (key
+// kc = `key` + 8r): bit 2i + e of vis[r] says whether query q0 + 8i + 2t + e sees that key (the
+// TileMask and, with `seg`, the segment ids). Two registers instead of a predicate per element,
+// computed in closed form: by TileMask::visible, query q sees kc iff
+// kc - hi_diag <= q <= kc - lo_diag and kc < n_limit, and the thread's queries increase with the
+// bit index, so the visible ones are the bits from the count of the thread's queries below
+// kc - hi_diag to the count below kc - lo_diag + 1.
+template <class Tr>
+__device__ __forceinline__ void bwd_visible_bits(uint32_t (&vis)[2], const int* qid_s,
+                                                 const TileMask& tm, bool seg, const int* kvid_s,
+                                                 int key, int q0, int t) {
+  constexpr int kSteps = Tr::kSCols / 8;  // i
+  static_assert(2 * kSteps <= 32, "one bit per query of the thread");
+  // #{(i, e) : q0 + 8i + 2t + e < x}: both e for every i < y / 8, then min(y % 8, 2) more.
+  const auto below = [&](int x) {
+    const int y = min(max(x - q0 - 2 * t, 0), 8 * kSteps);
+    return 2 * (y / 8) + min(y % 8, 2);
+  };
+  const auto low_bits = [](int c) { return c >= 32 ? ~0u : (1u << c) - 1u; };
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int kc = key + 8 * r;
+    const int c0 = below(kc - tm.hi_diag);
+    const int c1 = below(kc - tm.lo_diag + 1);
+    vis[r] = kc < tm.n_limit ? low_bits(c1) & ~low_bits(c0) : 0u;
+  }
+  if (seg) {
+    const int kv0 = kvid_s[key];
+    const int kv1 = kvid_s[key + 8];
+    uint32_t same0 = 0u;
+    uint32_t same1 = 0u;
+#pragma unroll
+    for (int i = 0; i < kSteps; ++i) {
+      const int2 qid = *reinterpret_cast<const int2*>(qid_s + 8 * i + 2 * t);
+      same0 |= ((qid.x == kv0 ? 1u : 0u) | (qid.y == kv0 ? 2u : 0u)) << (2 * i);
+      same1 |= ((qid.x == kv1 ? 1u : 0u) | (qid.y == kv1 ? 2u : 0u)) << (2 * i);
+    }
+    vis[0] &= same0;
+    vis[1] &= same1;
+  }
+}
+
+// kPair128's element masking, applied to the 16-bit P^T (p) and the f16 factor of dS (wh) once
+// bwd_probs has computed them unmasked: the 16-bit half of each element that bwd_visible_bits
+// hides is cleared, bitwise, so whatever the unmasked math gave there (inf, NaN) is gone, as with
+// the selects of the float path. Masked and unmasked pairs thus share one P^T pass, and the mask
+// costs two registers there. Element (query q0 + 8i + 2t + e, key `key` + 8r) is half e of
+// register 2 (i % 2) + r of k16 step i / 2.
+template <class Tr>
+__device__ __forceinline__ void bwd_mask_packed(uint32_t (&p)[Tr::kSCols / 16][4],
+                                                uint32_t (&wh)[Tr::kSCols / 16][4],
+                                                const int* qid_s, const TileMask& tm, bool seg,
+                                                const int* kvid_s, int key, int q0, int t) {
+  uint32_t vis[2];
+  bwd_visible_bits<Tr>(vis, qid_s, tm, seg, kvid_s, key, q0, t);
+#pragma unroll
+  for (int i = 0; i < Tr::kSCols / 8; ++i) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint32_t two = vis[r] >> (2 * i);
+      const uint32_t keep =
+          ((two & 1u) != 0u ? 0x0000ffffu : 0u) | ((two & 2u) != 0u ? 0xffff0000u : 0u);
+      p[i / 2][2 * (i % 2) + r] &= keep;
+      wh[i / 2][2 * (i % 2) + r] &= keep;
+    }
+  }
+}
+
 // P^T of one pair from S^T (both in s on entry): accumulator element 4i + 2r + e is (key row
 // g + 8r, query column 8i + 2t + e), i.e. tile-local key `key` + 8r and query q0 + 8i + 2t + e
-// (lse_s and qid_s point at query q0's entries). On exit
-// s holds the factor of dS, P or P (1 - t^2) with soft-capping, and p the 16-bit P packed as it
-// is computed into the register fragments of the dV GEMM (k16 step i / 2, register
-// 2 (i % 2) + r: the layout convert_p produces). With kMask, elements the TileMask (or, with
-// `seg`, the segment ids) hides are selected to 0, never multiplied, so a NaN there cannot leak.
+// (lse_s and qid_s point at query q0's entries). On exit s holds the factor of dS, P or
+// P (1 - t^2) with soft-capping (kPair128: wh holds it as f16 pairs in p's layout, and s is dead),
+// and p the 16-bit P packed as it is computed into the register fragments of the dV GEMM (k16 step
+// i / 2, register 2 (i % 2) + r: the layout convert_p produces). With kMask, elements the TileMask
+// (or, with `seg`, the segment ids) hides are selected to 0, never multiplied, so a NaN there
+// cannot leak.
 template <class Tr, bool kMask>
 __device__ __forceinline__ void bwd_probs(float (&s)[Tr::kSCols / 2],
-                                          uint32_t (&p)[Tr::kSCols / 16][4], const float* lse_s,
+                                          uint32_t (&p)[Tr::kSCols / 16][4],
+                                          uint32_t (&wh)[Tr::kSCols / 16][4], const float* lse_s,
                                           const int* qid_s, const TileMask& tm, bool seg,
                                           const int* kvid_s, int key, int q0, int t,
                                           const BwdWgmmaArgs& args) {
   using T = typename Tr::Element;
+  static_assert(!(kMask && Tr::kPair128), "kPair128 masks afterwards (bwd_mask_packed)");
 #pragma unroll
   for (int i = 0; i < Tr::kSCols / 8; ++i) {
     const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * i + 2 * t);
@@ -377,28 +502,41 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Tr::kSCols / 2],
         w0 = v0 ? w0 : 0.f;
         w1 = v1 ? w1 : 0.f;
       }
-      s[4 * i + 2 * r] = w0;
-      s[4 * i + 2 * r + 1] = w1;
+      if constexpr (Tr::kPair128) {
+        wh[i / 2][2 * (i % 2) + r] = tc::pack2<__half>(w0, w1);
+      } else {
+        s[4 * i + 2 * r] = w0;
+        s[4 * i + 2 * r + 1] = w1;
+      }
       p[i / 2][2 * (i % 2) + r] = tc::pack2<T>(p0, p1);
     }
   }
 }
 
 // dS^T = P^T (dP^T - delta) in place of dP^T, delta broadcast along the key rows, with w (the
-// factor bwd_probs left in s) for P^T. With kMask every masked element has w = 0 and is selected
-// to 0, since dP^T there may come from a neighbour's V rows; a visible element whose P
-// underflowed to 0 gets 0 either way.
-template <class Tr, bool kMask>
+// factor bwd_probs left in s, or with kPair128 in wh) for P^T. With kMask every masked element has
+// w = 0 and is selected to 0, since dP^T there may come from a neighbour's V rows; a visible
+// element whose P underflowed to 0 gets 0 either way.
+template <class Tr, bool kMask, int kI0 = 0, int kI1 = Tr::kSCols / 8>
 __device__ __forceinline__ void bwd_dscores(float (&dp)[Tr::kSCols / 2],
-                                            const float (&w)[Tr::kSCols / 2], const float* delta_s,
-                                            int t) {
+                                            const float (&w)[Tr::kSCols / 2],
+                                            const uint32_t (&wh)[Tr::kSCols / 16][4],
+                                            const float* delta_s, int t) {
 #pragma unroll
-  for (int i = 0; i < Tr::kSCols / 8; ++i) {
+  for (int i = kI0; i < kI1; ++i) {
     const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * i + 2 * t);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float w0 = w[4 * i + 2 * r];
-      const float w1 = w[4 * i + 2 * r + 1];
+      float w0, w1;
+      if constexpr (Tr::kPair128) {
+        const uint32_t bits = wh[i / 2][2 * (i % 2) + r];
+        const float2 wf = __half22float2(*reinterpret_cast<const __half2*>(&bits));
+        w0 = wf.x;
+        w1 = wf.y;
+      } else {
+        w0 = w[4 * i + 2 * r];
+        w1 = w[4 * i + 2 * r + 1];
+      }
       float d0 = w0 * (dp[4 * i + 2 * r] - dl.x);
       float d1 = w1 * (dp[4 * i + 2 * r + 1] - dl.y);
       if constexpr (kMask) {
@@ -414,19 +552,20 @@ __device__ __forceinline__ void bwd_dscores(float (&dp)[Tr::kSCols / 2],
 // dQ_i of one warpgroup added into dq_accum from registers with vector atomics: the path of a
 // packed sequence's last tile, whose rows past the sequence are the neighbour's and must get
 // nothing, in the deterministic order (semaphores) or not. Accumulator element 4i + 2r + e is
-// (query row 16 warp + g + 8r, column col0 + 8i + 2t + e of the head). A warpgroup whose dQ_i
-// takes several GEMMs (kDqGemms) waits for its deterministic turn before the first (`first`) and
-// passes it on after the last (`last`).
+// (query row row0 + 16 warp + g + 8r of the tile, column col0 + 8i + 2t + e of the head). A
+// warpgroup whose dQ_i takes several GEMMs (kDqGemms) waits for its deterministic turn before the
+// first (`first`) and passes it on after the last (`last`).
 template <class Tr>
 __device__ __forceinline__ void bwd_dq_atomics(const float (&dq)[Tr::kDqCols / 2],
                                                int64_t dq_offset, int rows, int m0, int cw,
                                                int ctid, const BwdCtaTile* cta_tile,
-                                               const BwdWgmmaArgs& args, int col0, bool first,
-                                               bool last) {
+                                               const BwdWgmmaArgs& args, int row0, int col0,
+                                               bool first, bool last) {
   constexpr int kD = Tr::kD;
   const int dq_lane = ctid % 32;
   // Deterministic: this warpgroup's turn at the tile comes after every higher key tile that
-  // visits it. The warpgroups add to disjoint columns, each half with its own counter.
+  // visits it. The warpgroups add to disjoint columns (or, kDqSplitRows, rows), each half with its
+  // own counter.
   int32_t* const sem = args.dq_semaphores != nullptr
                            ? args.dq_semaphores + dq_offset / kD * kDqCounters + cw
                            : nullptr;
@@ -440,7 +579,7 @@ __device__ __forceinline__ void bwd_dq_atomics(const float (&dq)[Tr::kDqCols / 2
   float* const dq_head = args.dq_accum + dq_offset + col0 + 2 * (dq_lane % 4);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int q = (ctid % 128) / 32 * 16 + dq_lane / 4 + 8 * r;
+    const int q = row0 + (ctid % 128) / 32 * 16 + dq_lane / 4 + 8 * r;
     if (q < rows) {
       float* const dq_row = dq_head + static_cast<int64_t>(q) * args.heads_q * kD;
 #pragma unroll
@@ -456,19 +595,23 @@ __device__ __forceinline__ void bwd_dq_atomics(const float (&dq)[Tr::kDqCols / 2
 }
 
 // A 16-bit operand tile of kBlockN key rows x kBlockM queries (dS^T, or P^T where the
-// warpgroups exchange it), 128-byte swizzled rows: a warp's fragments f (accumulator layout,
-// k16 step i / 2, register 2 (i % 2) + r: key row row0 + g + 8r, queries 8 (chunk0 + i) + 2t, +1)
-// go to 16-byte chunk chunk0 + i of the row, swizzled by the row's position in its 8-row group,
+// warpgroups exchange it), in kPanels panels of 64 queries (kPanelBytes apart) with 128-byte
+// swizzled rows: a warp's fragments f (accumulator layout, k16 step i / 2, register
+// 2 (i % 2) + r: key row row0 + g + 8r, queries 8 c + 2t, +1 with c = chunk0 + i) go to 16-byte
+// chunk c % 8 of the row in panel c / 8, swizzled by the row's position in its 8-row group,
 // which is g.
-template <int kSteps>
+template <int kPanels, int kPanelBytes, int kSteps>
 __device__ __forceinline__ void store_operand_tile(uint8_t* tile, const uint32_t (&f)[kSteps][4],
                                                    int row0, int chunk0, int g, int t) {
 #pragma unroll
   for (int i = 0; i < 2 * kSteps; ++i) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      *reinterpret_cast<uint32_t*>(tile + (row0 + g + 8 * r) * 128 + (((chunk0 + i) ^ g) * 16) +
-                                   t * 4) = f[i / 2][2 * (i % 2) + r];
+      const int c = chunk0 + i;
+      const int panel = kPanels > 1 ? c / 8 : 0;
+      const int chunk = kPanels > 1 ? c % 8 : c;
+      *reinterpret_cast<uint32_t*>(tile + panel * kPanelBytes + (row0 + g + 8 * r) * 128 +
+                                   ((chunk ^ g) * 16) + t * 4) = f[i / 2][2 * (i % 2) + r];
     }
   }
 }
@@ -519,13 +662,21 @@ __device__ __forceinline__ BwdDqRow bwd_dq_row(const BwdCtaTile& ct, bool varlen
 }
 
 // TMA reductions of kBoxes staged 32-column float32 boxes (8 KB apart from `src` on) into dQ
-// columns col0, col0 + 32, .. of (at, head); the caller commits the bulk group.
-template <int kBoxes>
+// columns col0, col0 + 32, .. of (at, head); the caller commits the bulk group. The map's boxes
+// have kBoxRows rows: kPieces of them from row piece0 * kBoxRows of the staged tile on (each
+// piece 1 KB-aligned in the staged tile, so the 128-byte swizzle is the same).
+template <int kBoxes, int kBoxRows, int kPieces>
 __device__ __forceinline__ void dq_reduce_boxes(const CUtensorMap* tm_dq, uint32_t src, int col0,
-                                                int head, BwdDqRow at) {
+                                                int head, BwdDqRow at, int piece0 = 0) {
+  static_assert(kBoxRows * 128 % 1024 == 0);
 #pragma unroll
-  for (int b = 0; b < kBoxes; ++b) {
-    tma_reduce_add_4d(tm_dq, src + b * 8192, col0 + 32 * b, head, at.row, at.batch);
+  for (int k = 0; k < kPieces; ++k) {
+    const int row = (piece0 + k) * kBoxRows;
+#pragma unroll
+    for (int b = 0; b < kBoxes; ++b) {
+      tma_reduce_add_4d(tm_dq, src + b * 8192 + row * 128, col0 + 32 * b, head, at.row + row,
+                        at.batch);
+    }
   }
 }
 
@@ -575,8 +726,9 @@ __device__ __forceinline__ void bwd_dq_writer(const CUtensorMap* tm_dq, uint32_t
     int32_t* const sem = sems + handoff->sem;
     if (lane == 0) {
       dq_turn_wait(sem, handoff->ticket);
-      dq_reduce_boxes<Tr::kDqBoxes>(tm_dq, stage_dq, cw * Tr::kDqCols, handoff->head,
-                                    {handoff->row, handoff->batch});
+      dq_reduce_boxes<Tr::kDqBoxes, Tr::kDqBoxRows, Tr::kDqRows / Tr::kDqBoxRows>(
+          tm_dq, stage_dq, Tr::kDqSplitRows ? 0 : cw * Tr::kDqCols, handoff->head,
+          {handoff->row, handoff->batch});
       tma_commit();
       tma_wait_read();
     }
@@ -628,8 +780,10 @@ __device__ __forceinline__ void bwd_dq_writer_split(const CUtensorMap* tm_dq, ui
         // The first kDqCols columns from the warpgroup's Q panels, the next from its dO panels.
         const uint32_t panels =
             stage * Tr::kQStageBytes + cw * Tr::kDkCols / Tr::kPanelCols * Tr::kQPanelBytes;
-        dq_reduce_boxes<2>(tm_dq, q_smem + panels, cw * Tr::kDkCols, head, at);
-        dq_reduce_boxes<2>(tm_dq, do_smem + panels, cw * Tr::kDkCols + 64, head, at);
+        static_assert(!Tr::kSplitQ || Tr::kDqBoxRows == Tr::kBlockM);
+        dq_reduce_boxes<2, Tr::kDqBoxRows, 1>(tm_dq, q_smem + panels, cw * Tr::kDkCols, head, at);
+        dq_reduce_boxes<2, Tr::kDqBoxRows, 1>(tm_dq, do_smem + panels, cw * Tr::kDkCols + 64, head,
+                                              at);
         tma_commit();
         tma_wait_read();
       }
@@ -844,10 +998,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           float lse2 = CUDART_INF_F;
           float dlt = 0.f;
           if (r < rows) {
+            // Both loads are issued before either is used: one L2 round trip a pair, not two.
             const float l = args.lse[stat_row + r];
+            const float d = args.delta[stat_row + r];
             if (l != -CUDART_INF_F) {
               lse2 = l * kLog2e;
-              dlt = args.delta[stat_row + r];
+              dlt = d;
             }
           }
           lse_s[r] = lse2;
@@ -906,17 +1062,22 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     for (int i = 0; i < Tr::kDqCols / 2; ++i) dq[i] = 0.f;
     uint32_t p[kSCols / 16][4];
     uint32_t ds[kSCols / 16][4];
+    // The factor of dS as f16 pairs (kPair128 only; otherwise it stays in s and this goes unused).
+    uint32_t wh[kSCols / 16][4];
 
     // A operands of S^T and dP^T: this warpgroup's 64 rows of K and V, K-major.
     const uint64_t k_desc = smem_desc_sw128(k_smem + key_row0 * Tr::kRowBytes, 16);
     const uint64_t v_desc = smem_desc_sw128(v_smem + key_row0 * Tr::kRowBytes, 16);
     // B operand of dQ, MN-major: this warpgroup's first kDqCols head-dim columns of K, i.e.
-    // panel cw with head_dim 128, half cw of the single panel with head_dim 64, panel 2 cw with
-    // head_dim 256 (whose second dQ GEMM takes the next panel).
+    // panel cw with head_dim 128, half cw of the single panel with head_dim 64 (all of it with
+    // 128-query tiles, whose warpgroups split dQ_i's rows), panel 2 cw with head_dim 256 (whose
+    // second dQ GEMM takes the next panel).
     constexpr int kDqColBytes = Tr::kDqCols * Tr::kDqGemms * 2;
-    const uint64_t k_mn_desc = smem_desc_sw128(
-        k_smem + cw * kDqColBytes / Tr::kRowBytes * Tr::kKVPanelBytes + cw * kDqColBytes % 128,
-        Tr::kKVPanelBytes);
+    const int dq_cw = Tr::kDqSplitRows ? 0 : cw;
+    const uint64_t k_mn_desc =
+        smem_desc_sw128(k_smem + dq_cw * kDqColBytes / Tr::kRowBytes * Tr::kKVPanelBytes +
+                            dq_cw * kDqColBytes % 128,
+                        Tr::kKVPanelBytes);
 
     mbar_wait(bar_kv, 0);
     // K rows past a packed sequence are its neighbour's and would enter dQ = dS K (0 * NaN is
@@ -956,24 +1117,38 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         named_barrier_sync(kBwdBarConsumers, 128 * Tr::kConsumerWarpgroups);
       }
 
-      // S^T = K Q^T and dP^T = V dO^T over the head dimension, 16 columns per wgmma.
+      // S^T = K Q^T and dP^T = V dO^T over the head dimension, 16 columns per wgmma. With
+      // kPair128 only dP^T's first half (queries 0-63) here; the second follows the P^T math.
       wgmma_fence();
       wgmma_ss_kmajor<kSCols, kD, Tr::kKVPanelBytes, Tr::kQPanelBytes, T>(s, k_desc, q_desc);
       wgmma_commit();
-      wgmma_ss_kmajor<kSCols, kD, Tr::kKVPanelBytes, Tr::kQPanelBytes, T>(dp, v_desc, do_desc);
+      if constexpr (Tr::kPair128) {
+        wgmma_ss_kmajor<kSCols / 2, kD, Tr::kKVPanelBytes, Tr::kQPanelBytes, T>(acc_half<0>(dp),
+                                                                                v_desc, do_desc);
+      } else {
+        wgmma_ss_kmajor<kSCols, kD, Tr::kKVPanelBytes, Tr::kQPanelBytes, T>(dp, v_desc, do_desc);
+      }
       wgmma_commit();
 
       // Groups retire in order: with dP^T pending, S^T is done.
       wgmma_wait<1>();
       fence_operand(s);
       // P^T and dS^T on the unmasked path or, for a masked pair, with element masking (the two
-      // are separate copies so that unmasked pairs pay nothing for the mask).
-      if (flags & kPairMasked) {
-        bwd_probs<Tr, true>(s, p, stage_lse(stage) + q0, stage_qid(stage) + q0, hdr->mask,
+      // are separate copies so that unmasked pairs pay nothing for the mask; kPair128 runs one
+      // P^T pass for both and masks its packed results).
+      if constexpr (Tr::kPair128) {
+        bwd_probs<Tr, false>(s, p, wh, stage_lse(stage) + q0, stage_qid(stage) + q0, hdr->mask,
+                             false, kvid_s, key, q0, t, args);
+        if (flags & kPairMasked) {
+          bwd_mask_packed<Tr>(p, wh, stage_qid(stage) + q0, hdr->mask,
+                              kMasked && (flags & kPairSegments) != 0, kvid_s, key, q0, t);
+        }
+      } else if (flags & kPairMasked) {
+        bwd_probs<Tr, true>(s, p, wh, stage_lse(stage) + q0, stage_qid(stage) + q0, hdr->mask,
                             kMasked && (flags & kPairSegments) != 0, kvid_s, key, q0, t, args);
       } else {
-        bwd_probs<Tr, false>(s, p, stage_lse(stage) + q0, stage_qid(stage) + q0, hdr->mask, false,
-                             kvid_s, key, q0, t, args);
+        bwd_probs<Tr, false>(s, p, wh, stage_lse(stage) + q0, stage_qid(stage) + q0, hdr->mask,
+                             false, kvid_s, key, q0, t, args);
       }
 
       // Two buffers of each exchanged tile alternate: a warpgroup can only reach pair slot + 2
@@ -981,21 +1156,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // both waited for their GEMMs of slot, which read the tiles.
       const int buf = slot & 1;
       uint8_t* const ds_tile = smem + Tr::kDsOffset + buf * Tr::kDsBytes;
-      const uint64_t ds_desc =
-          smem_desc_sw128(ds_smem + buf * Tr::kDsBytes, static_cast<uint32_t>(Tr::kDsBytes));
+      // The dQ GEMMs' A operand: with kDqSplitRows the panel of the warpgroup's 64 queries.
+      const uint64_t ds_desc = smem_desc_sw128(
+          ds_smem + buf * Tr::kDsBytes + (Tr::kDqSplitRows ? cw * Tr::kDsPanelBytes : 0),
+          static_cast<uint32_t>(Tr::kDsPanelBytes));
       if constexpr (kSplitQ) {
         // This warpgroup's P^T columns go to the exchange tile while dP^T finishes.
         uint8_t* const p_tile = smem + Tr::kPOffset + buf * Tr::kPBytes;
-        store_operand_tile(p_tile, p, warp * 16, q0 / 8, g, t);
+        store_operand_tile<Tr::kDsPanels, Tr::kDsPanelBytes>(p_tile, p, warp * 16, q0 / 8, g, t);
         wgmma_wait<0>();
         fence_operand(dp);
         if (flags & kPairMasked) {
-          bwd_dscores<Tr, true>(dp, s, stage_delta(stage) + q0, t);
+          bwd_dscores<Tr, true>(dp, s, wh, stage_delta(stage) + q0, t);
         } else {
-          bwd_dscores<Tr, false>(dp, s, stage_delta(stage) + q0, t);
+          bwd_dscores<Tr, false>(dp, s, wh, stage_delta(stage) + q0, t);
         }
         convert_p<kSCols, T>(dp, ds);
-        store_operand_tile(ds_tile, ds, warp * 16, q0 / 8, g, t);
+        store_operand_tile<Tr::kDsPanels, Tr::kDsPanelBytes>(ds_tile, ds, warp * 16, q0 / 8, g, t);
         // dS^T is also read by the dQ GEMMs, through the async proxy.
         fence_proxy_async_smem();
         named_barrier_sync(kBwdBarConsumers, 128 * Tr::kConsumerWarpgroups);
@@ -1048,7 +1225,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                     stage * Tr::kQStageBytes + col_panel;
             stage_dq_boxes<Tr::kDqCols>(panels, dq, ctid);
           } else {
-            bwd_dq_atomics<Tr>(dq, dq_offset, rows, m0, cw, ctid, cta_tile, args,
+            bwd_dq_atomics<Tr>(dq, dq_offset, rows, m0, cw, ctid, cta_tile, args, 0,
                                col0 + h * Tr::kDqCols, h == 0, h == Tr::kDqGemms - 1);
           }
         }
@@ -1062,33 +1239,67 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       } else {
         // dV += P^T dO over the tile's queries, 16 per wgmma, with dO as the MN-major B operand
         // (head_dim contiguous, as V in the forward's O += P V); it runs under the dS math, the
-        // dS^T stores and the barrier below.
+        // dS^T stores and the barrier below. With kPair128 dP^T's second half goes first.
         wgmma_fence();
+        if constexpr (Tr::kPair128) {
+          wgmma_ss_kmajor<kSCols / 2, kD, Tr::kKVPanelBytes, Tr::kQPanelBytes, T>(
+              acc_half<1>(dp), v_desc, desc_advance(do_desc, kSCols / 2 * Tr::kRowBytes));
+          wgmma_commit();
+        }
         wgmma_rs_mn<kDkCols, kBlockM / 16, T>(dv, p, do_mn_desc);
         wgmma_commit();
 
-        // Leaving one group pending means dP^T is done while dV may still run.
-        wgmma_wait<1>();
-        fence_operand(dp);
-        if (flags & kPairMasked) {
-          bwd_dscores<Tr, true>(dp, s, stage_delta(stage), t);
+        if constexpr (Tr::kPair128) {
+          // dS^T of the first 64 queries while the second half of dP^T may still run, then of
+          // the rest (groups retire in order).
+          wgmma_wait<2>();
+          fence_operand(acc_half<0>(dp));
+          if (flags & kPairMasked) {
+            bwd_dscores<Tr, true, 0, kSCols / 16>(dp, s, wh, stage_delta(stage), t);
+          } else {
+            bwd_dscores<Tr, false, 0, kSCols / 16>(dp, s, wh, stage_delta(stage), t);
+          }
+          wgmma_wait<1>();
+          fence_operand(acc_half<1>(dp));
+          if (flags & kPairMasked) {
+            bwd_dscores<Tr, true, kSCols / 16, kSCols / 8>(dp, s, wh, stage_delta(stage), t);
+          } else {
+            bwd_dscores<Tr, false, kSCols / 16, kSCols / 8>(dp, s, wh, stage_delta(stage), t);
+          }
         } else {
-          bwd_dscores<Tr, false>(dp, s, stage_delta(stage), t);
+          // Leaving one group pending means dP^T is done while dV may still run.
+          wgmma_wait<1>();
+          fence_operand(dp);
+          if (flags & kPairMasked) {
+            bwd_dscores<Tr, true>(dp, s, wh, stage_delta(stage), t);
+          } else {
+            bwd_dscores<Tr, false>(dp, s, wh, stage_delta(stage), t);
+          }
         }
         convert_p<kBlockM, T>(dp, ds);
 
         // dS^T to shared memory: key row kr of the 128-key tile, query pair (8i + 2t, +1) in
-        // chunk i of the row, swizzled to chunk i ^ (kr % 8) = i ^ g.
-        store_operand_tile(ds_tile, ds, key_row0 + warp * 16, 0, g, t);
+        // chunk i % 8 of the row in panel i / 8, swizzled to chunk (i % 8) ^ (kr % 8) =
+        // (i % 8) ^ g. With 128-query tiles the thread's position is re-read (volatile) so that
+        // the eight swizzled chunk offsets are computed here, not kept live across the loop.
+        {
+          const int sid = Tr::kPair128 ? fresh_thread_index() - 128 : 0;
+          const int srow = Tr::kPair128 ? sid / 32 * 16 : key_row0 + warp * 16;
+          const int sg = Tr::kPair128 ? sid % 32 / 4 : g;
+          const int st = Tr::kPair128 ? sid % 4 : t;
+          store_operand_tile<Tr::kDsPanels, Tr::kDsPanelBytes>(ds_tile, ds, srow, 0, sg, st);
+        }
         fence_proxy_async_smem();
         // The warpgroup's dQ staging buffer is rewritten below: its previous TMA reduction must
         // have read it (the barrier passes that on to the other threads).
-        if (tid == 0) tma_wait_read();
+        // (kWarpDq: each warp's lane 0 waits for its own reduction, before its staging below.)
+        if (!Tr::kWarpDq && tid == 0) tma_wait_read();
         named_barrier_sync(kBwdBarConsumers, 128 * Tr::kConsumerWarpgroups);
 
-        // dQ_i (64 queries x kDqCols head-dim columns) = dS K over the 128 keys: A = dS^T read
-        // as MN-major dS, B = K MN-major; both advance 16 key rows per wgmma. Then dK += dS^T Q
-        // (Q as the MN-major B operand), which runs while dQ_i leaves.
+        // dQ_i (the warpgroup's 64 queries x kDqCols head-dim columns) = dS K over the 128 keys:
+        // A = dS^T read as MN-major dS (with kDqSplitRows the panel of its queries), B = K
+        // MN-major; both advance 16 key rows per wgmma. Then dK += dS^T Q (Q as the MN-major B
+        // operand, over all the tile's queries), which runs while dQ_i leaves.
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < kBlockN / 16; ++k) {
@@ -1111,16 +1322,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // addresses now, when s and dP^T are dead, instead of keeping them live across the
         // loop.
         const int ctid = fresh_thread_index() - 128;
-        // dq accumulator element 4i + 2r + e is (query row 16 warp + g + 8r, column 8i + 2t + e
-        // of the warpgroup's kDqCols: kDqCols cw + 8i + 2t + e of the head).
+        // dq accumulator element 4i + 2r + e is (query row 16 warp + g + 8r of the warpgroup's
+        // kDqRows, column 8i + 2t + e of its kDqCols). The warpgroups split the columns (column
+        // kDqCols cw + 8i + 2t + e of the head) or, kDqSplitRows, the rows (tile row
+        // kDqRows cw + 16 warp + g + 8r).
+        const auto dq_row0 = [](int c) { return Tr::kDqSplitRows ? c / 128 * Tr::kDqRows : 0; };
+        const auto dq_col0 = [](int c) { return Tr::kDqSplitRows ? 0 : c / 128 * Tr::kDqCols; };
         const bool in_order = args.dq_semaphores != nullptr;
         if ((flags & kPairZeroRows) == 0) {
           // Staged for a TMA reduction. Rows past a dense sequence are clipped by the map; a
           // packed tile's rows past its sequence take the path below.
           uint8_t* const stage_dq = smem + Tr::kDqOffset + (ctid / 128) * Tr::kDqWgBytes;
           // In order, the writer warp reduces the buffer; it must have read the previous tile.
-          // (Otherwise this warpgroup's thread 0 did, and its tma_wait_read above covers it.)
-          if (in_order) named_barrier_sync(kBwdBarDqFreeBase + ctid / 128, kBwdDqHandoffThreads);
+          // (Otherwise the reductions' issuers wait: this warpgroup's thread 0 before the barrier
+          // above, or with kWarpDq each warp's lane 0 here.)
+          if (in_order) {
+            named_barrier_sync(kBwdBarDqFreeBase + ctid / 128, kBwdDqHandoffThreads);
+          } else if (Tr::kWarpDq) {
+            // The warp's rows of the buffer were read by its previous reduction.
+            if (ctid % 32 == 0) tma_wait_read();
+            __syncwarp();
+          }
           stage_dq_boxes<Tr::kDqCols>(stage_dq, dq, ctid);
           fence_proxy_async_smem();
           if (in_order) {
@@ -1128,7 +1350,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (ctid % 128 == 0) {
               BwdDqHandoff* const h =
                   reinterpret_cast<BwdDqHandoff*>(smem + Tr::kHandoffOffset) + ctid / 128;
-              const BwdDqRow at = bwd_dq_row(*cta_tile, varlen, m0);
+              const BwdDqRow at = bwd_dq_row(*cta_tile, varlen, m0 + dq_row0(ctid));
               h->sem = dq_offset / kD * kDqCounters + ctid / 128;
               h->row = at.row;
               h->batch = at.batch;
@@ -1137,12 +1359,22 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
               h->end = 0;
             }
             named_barrier_arrive(kBwdBarDqStagedBase + ctid / 128, kBwdDqHandoffThreads);
+          } else if (Tr::kWarpDq) {
+            // The warp's 16 rows, staged by its own lanes: a warp barrier orders them (and their
+            // proxy fences) before lane 0's reductions.
+            __syncwarp();
+            if (ctid % 32 == 0) {
+              dq_reduce_boxes<Tr::kDqBoxes, Tr::kDqBoxRows, 1>(
+                  &tm_dq, tc::smem_addr(stage_dq), dq_col0(ctid), head,
+                  bwd_dq_row(*cta_tile, varlen, m0 + dq_row0(ctid)), ctid % 128 / 32);
+              tma_commit();
+            }
           } else {
             named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
             if (ctid % 128 == 0) {
-              dq_reduce_boxes<Tr::kDqBoxes>(&tm_dq, tc::smem_addr(stage_dq),
-                                            (ctid / 128) * Tr::kDqCols, head,
-                                            bwd_dq_row(*cta_tile, varlen, m0));
+              dq_reduce_boxes<Tr::kDqBoxes, Tr::kDqBoxRows, Tr::kDqRows / Tr::kDqBoxRows>(
+                  &tm_dq, tc::smem_addr(stage_dq), dq_col0(ctid), head,
+                  bwd_dq_row(*cta_tile, varlen, m0 + dq_row0(ctid)));
               tma_commit();
             }
           }
@@ -1151,8 +1383,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           // a TMA box would add to, so it adds from registers (in order: after its own wait for
           // the turn, in this warpgroup, while the writer warp may still be busy with an
           // earlier tile of another counter).
-          bwd_dq_atomics<Tr>(dq, dq_offset, rows, m0, cw, ctid, cta_tile, args, cw * Tr::kDqCols,
-                             true, true);
+          bwd_dq_atomics<Tr>(dq, dq_offset, rows, m0, cw, ctid, cta_tile, args,
+                             Tr::kDqSplitRows ? cw * Tr::kDqRows : 0,
+                             Tr::kDqSplitRows ? 0 : cw * Tr::kDqCols, true, true);
         }
         // dK += dS^T Q is done with Q and dS^T: the stage goes back to the producer.
         wgmma_wait<0>();
@@ -1165,7 +1398,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     }
     // Shared memory must outlive the TMA reductions' reads of it; waiting for their writes too
     // leaves nothing in flight when the CTA retires.
-    if (tid == 0) tma_wait_all();
+    if (Tr::kWarpDq ? lane == 0 : tid == 0) tma_wait_all();
     // In order: the end hand-off, once the writer has read the last tile (bwd_dq_writer); the
     // writer's own waits keep the CTA's shared memory alive until its reductions are done.
     // (The position is re-read, as in the loop, so that the loop does not keep it live.)
