@@ -125,10 +125,7 @@ struct BwdWgmmaTraits {
   // warp adds its own 16 query rows of dQ_i as soon as it has staged them, with no warpgroup
   // barrier between the staging and the reduction. The deterministic writer then adds a tile as
   // kDqRows / kDqBoxRows pieces; head_dim 256 keeps 64-row boxes.
-#ifndef JAX_FLASH_BWD_WARP_DQ
-#define JAX_FLASH_BWD_WARP_DQ 1
-#endif
-  static constexpr bool kWarpDq = JAX_FLASH_BWD_WARP_DQ != 0 && !kSplitQ;
+  static constexpr bool kWarpDq = !kSplitQ;
   static constexpr int kDqBoxRows = kWarpDq ? 16 : kDqRows;
 
   // Consumers hold dK and dV (kDkCols / 2 registers each), S^T and dP^T (kSCols / 2 each), dQ
@@ -1290,10 +1287,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           store_operand_tile<Tr::kDsPanels, Tr::kDsPanelBytes>(ds_tile, ds, srow, 0, sg, st);
         }
         fence_proxy_async_smem();
-        // The warpgroup's dQ staging buffer is rewritten below: its previous TMA reduction must
-        // have read it (the barrier passes that on to the other threads).
-        // (kWarpDq: each warp's lane 0 waits for its own reduction, before its staging below.)
-        if (!Tr::kWarpDq && tid == 0) tma_wait_read();
         named_barrier_sync(kBwdBarConsumers, 128 * Tr::kConsumerWarpgroups);
 
         // dQ_i (the warpgroup's 64 queries x kDqCols head-dim columns) = dS K over the 128 keys:
@@ -1334,11 +1327,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           // packed tile's rows past its sequence take the path below.
           uint8_t* const stage_dq = smem + Tr::kDqOffset + (ctid / 128) * Tr::kDqWgBytes;
           // In order, the writer warp reduces the buffer; it must have read the previous tile.
-          // (Otherwise the reductions' issuers wait: this warpgroup's thread 0 before the barrier
-          // above, or with kWarpDq each warp's lane 0 here.)
+          // Otherwise each warp's lane 0 issued the reductions and waits for them here.
+          static_assert(Tr::kWarpDq);
           if (in_order) {
             named_barrier_sync(kBwdBarDqFreeBase + ctid / 128, kBwdDqHandoffThreads);
-          } else if (Tr::kWarpDq) {
+          } else {
             // The warp's rows of the buffer were read by its previous reduction.
             if (ctid % 32 == 0) tma_wait_read();
             __syncwarp();
@@ -1359,7 +1352,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
               h->end = 0;
             }
             named_barrier_arrive(kBwdBarDqStagedBase + ctid / 128, kBwdDqHandoffThreads);
-          } else if (Tr::kWarpDq) {
+          } else {
             // The warp's 16 rows, staged by its own lanes: a warp barrier orders them (and their
             // proxy fences) before lane 0's reductions.
             __syncwarp();
@@ -1367,14 +1360,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
               dq_reduce_boxes<Tr::kDqBoxes, Tr::kDqBoxRows, 1>(
                   &tm_dq, tc::smem_addr(stage_dq), dq_col0(ctid), head,
                   bwd_dq_row(*cta_tile, varlen, m0 + dq_row0(ctid)), ctid % 128 / 32);
-              tma_commit();
-            }
-          } else {
-            named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
-            if (ctid % 128 == 0) {
-              dq_reduce_boxes<Tr::kDqBoxes, Tr::kDqBoxRows, Tr::kDqRows / Tr::kDqBoxRows>(
-                  &tm_dq, tc::smem_addr(stage_dq), dq_col0(ctid), head,
-                  bwd_dq_row(*cta_tile, varlen, m0 + dq_row0(ctid)));
               tma_commit();
             }
           }
