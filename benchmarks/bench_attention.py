@@ -17,9 +17,11 @@ and divided by in "jax_flash / FA3" columns beside "jax_flash / cuDNN". It is im
 time from that carry folder (dew_flash_attn/__init__.py, with the FlashAttention-2 library's
 import removed, and libdew_flash_attn3.so.xz, as shared/ANCHORS.md describes); without one, or
 off an sm90 GPU, its columns are left out and the report's "fa3" line says why. The whole grid
-with FA3 takes longer than one 10-minute job; on an H200 a bf16 run in about 5 minutes is
+(seqlen 512-16k, with XLA) and FA3 take longer than one 10-minute job; on an H200 the 1k / 4k /
+16k cells of bf16 and fp16 against cuDNN and FA3 take about 2.5 minutes:
     JAX_FLASH_COMMIT=<commit> python3 benchmarks/bench_attention.py --fa3-dir fa3_carry \\
-        --dtypes bf16 --impls jax_flash cudnn fa3 --seqlens 1k 4k 16k --no-memory --time-limit 280
+        --dtypes bf16 fp16 --impls jax_flash cudnn fa3 --seqlens 1k 4k 16k --no-memory \\
+        --time-limit 180
 
 Writes <out>/attention_<gpu|cpu>[_quick].md (tables), .csv (one row per implementation and
 cell), _memory.csv and .png (rate vs seqlen), and prints one line per measured cell. <out> is
