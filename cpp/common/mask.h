@@ -59,6 +59,24 @@ struct TileMask {
   JF_HOST_DEVICE bool visible(int r, int c) const {
     return c >= r + lo_diag && c <= r + hi_diag && c < n_limit;
   }
+  // Column c's visibility for the rows r0 + 8i + e (i < steps <= 16, e = 0, 1), the rows of one
+  // thread's accumulator column pairs in an m64nN wgmma fragment read transposed: bit 2i + e is
+  // visible(r0 + 8i + e, c). The rows that see c are [c - hi_diag, c - lo_diag] (none when
+  // c >= n_limit) and the pattern's rows increase with the bit index, so the set bits run from
+  // the count of pattern rows below c - hi_diag to the count below c - lo_diag + 1.
+  JF_HOST_DEVICE uint32_t pair_row_bits(int c, int r0, int steps) const {
+    // #{(i, e) : r0 + 8i + e < x}: both e for every i < y / 8, then min(y % 8, 2) more.
+    const auto below = [&](int x) {
+      const int d = x - r0;
+      const int m = d > 0 ? d : 0;
+      const int y = m < 8 * steps ? m : 8 * steps;
+      return 2 * (y / 8) + (y % 8 < 2 ? y % 8 : 2);
+    };
+    const auto low_bits = [](int n) { return n >= 32 ? ~0u : (1u << n) - 1u; };
+    const int b0 = below(c - hi_diag);
+    const int b1 = below(c - lo_diag + 1);
+    return c < n_limit ? low_bits(b1) & ~low_bits(b0) : 0u;
+  }
 };
 
 // The band of one sequence: what every kernel asks of the mask, in sequence-local positions.

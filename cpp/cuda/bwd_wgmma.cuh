@@ -378,30 +378,16 @@ __device__ __forceinline__ void zero_tile_rows(uint8_t* tile, int row0) {
 
 // kPair128's element masking as two bit masks, one per accumulator row r of the thread (key
 // kc = `key` + 8r): bit 2i + e of vis[r] says whether query q0 + 8i + 2t + e sees that key (the
-// TileMask and, with `seg`, the segment ids). Two registers instead of a predicate per element,
-// computed in closed form: by TileMask::visible, query q sees kc iff
-// kc - hi_diag <= q <= kc - lo_diag and kc < n_limit, and the thread's queries increase with the
-// bit index, so the visible ones are the bits from the count of the thread's queries below
-// kc - hi_diag to the count below kc - lo_diag + 1.
+// TileMask, TileMask::pair_row_bits, and with `seg` the segment ids). Two registers instead of a
+// predicate per element.
 template <class Tr>
 __device__ __forceinline__ void bwd_visible_bits(uint32_t (&vis)[2], const int* qid_s,
                                                  const TileMask& tm, bool seg, const int* kvid_s,
                                                  int key, int q0, int t) {
   constexpr int kSteps = Tr::kSCols / 8;  // i
   static_assert(2 * kSteps <= 32, "one bit per query of the thread");
-  // #{(i, e) : q0 + 8i + 2t + e < x}: both e for every i < y / 8, then min(y % 8, 2) more.
-  const auto below = [&](int x) {
-    const int y = min(max(x - q0 - 2 * t, 0), 8 * kSteps);
-    return 2 * (y / 8) + min(y % 8, 2);
-  };
-  const auto low_bits = [](int c) { return c >= 32 ? ~0u : (1u << c) - 1u; };
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int kc = key + 8 * r;
-    const int c0 = below(kc - tm.hi_diag);
-    const int c1 = below(kc - tm.lo_diag + 1);
-    vis[r] = kc < tm.n_limit ? low_bits(c1) & ~low_bits(c0) : 0u;
-  }
+  for (int r = 0; r < 2; ++r) vis[r] = tm.pair_row_bits(key + 8 * r, q0 + 2 * t, kSteps);
   if (seg) {
     const int kv0 = kvid_s[key];
     const int kv1 = kvid_s[key + 8];
