@@ -120,12 +120,20 @@ struct BwdWgmmaTraits {
   static constexpr int kDqRows = kDqSplitRows ? kBlockM / kConsumerWarpgroups : kBlockM;
   static constexpr int kDqCols = kSplitQ ? 64 : kDqSplitRows ? kD : kD / kConsumerWarpgroups;
   static constexpr int kDqGemms = kDqSplitRows ? 1 : kD / (kConsumerWarpgroups * kDqCols);
+  // Consumer warpgroup cw's part of dQ_i: tile rows from dq_row0(cw), head columns from
+  // dq_col0(cw).
+  __host__ __device__ static constexpr int dq_row0(int cw) {
+    return kDqSplitRows ? cw * kDqRows : 0;
+  }
+  __host__ __device__ static constexpr int dq_col0(int cw) {
+    return kDqSplitRows ? 0 : cw * kDqCols;
+  }
   static constexpr bool kDqStaged = !kSplitQ;
   // Rows of one dq_accum TMA box. kWarpDq (head_dim 64 / 128, order of arrival): each consumer
   // warp adds its own 16 query rows of dQ_i as soon as it has staged them, with no warpgroup
   // barrier between the staging and the reduction. The deterministic writer then adds a tile as
   // kDqRows / kDqBoxRows pieces; head_dim 256 keeps 64-row boxes.
-  static constexpr bool kWarpDq = !kSplitQ;
+  static constexpr bool kWarpDq = kDqStaged;
   static constexpr int kDqBoxRows = kWarpDq ? 16 : kDqRows;
 
   // Consumers hold dK and dV (kDkCols / 2 registers each), S^T and dP^T (kSCols / 2 each), dQ
@@ -710,8 +718,7 @@ __device__ __forceinline__ void bwd_dq_writer(const CUtensorMap* tm_dq, uint32_t
     if (lane == 0) {
       dq_turn_wait(sem, handoff->ticket);
       dq_reduce_boxes<Tr::kDqBoxes, Tr::kDqBoxRows, Tr::kDqRows / Tr::kDqBoxRows>(
-          tm_dq, stage_dq, Tr::kDqSplitRows ? 0 : cw * Tr::kDqCols, handoff->head,
-          {handoff->row, handoff->batch});
+          tm_dq, stage_dq, Tr::dq_col0(cw), handoff->head, {handoff->row, handoff->batch});
       tma_commit();
       tma_wait_read();
     }
@@ -1305,8 +1312,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // kDqRows, column 8i + 2t + e of its kDqCols). The warpgroups split the columns (column
         // kDqCols cw + 8i + 2t + e of the head) or, kDqSplitRows, the rows (tile row
         // kDqRows cw + 16 warp + g + 8r).
-        const auto dq_row0 = [](int c) { return Tr::kDqSplitRows ? c / 128 * Tr::kDqRows : 0; };
-        const auto dq_col0 = [](int c) { return Tr::kDqSplitRows ? 0 : c / 128 * Tr::kDqCols; };
         const bool in_order = args.dq_semaphores != nullptr;
         if ((flags & kPairZeroRows) == 0) {
           // Staged for a TMA reduction. Rows past a dense sequence are clipped by the map; a
@@ -1329,7 +1334,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (ctid % 128 == 0) {
               BwdDqHandoff* const h =
                   reinterpret_cast<BwdDqHandoff*>(smem + Tr::kHandoffOffset) + ctid / 128;
-              const BwdDqRow at = bwd_dq_row(*cta_tile, varlen, m0 + dq_row0(ctid));
+              const BwdDqRow at = bwd_dq_row(*cta_tile, varlen, m0 + Tr::dq_row0(ctid / 128));
               h->sem = dq_offset / kD * kDqCounters + ctid / 128;
               h->row = at.row;
               h->batch = at.batch;
@@ -1344,8 +1349,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             __syncwarp();
             if (ctid % 32 == 0) {
               dq_reduce_boxes<Tr::kDqBoxes, Tr::kDqBoxRows, 1>(
-                  &tm_dq, tc::smem_addr(stage_dq), dq_col0(ctid), head,
-                  bwd_dq_row(*cta_tile, varlen, m0 + dq_row0(ctid)), ctid % 128 / 32);
+                  &tm_dq, tc::smem_addr(stage_dq), Tr::dq_col0(ctid / 128), head,
+                  bwd_dq_row(*cta_tile, varlen, m0 + Tr::dq_row0(ctid / 128)), ctid % 128 / 32);
               tma_commit();
             }
           }
@@ -1354,9 +1359,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           // a TMA box would add to, so it adds from registers (in order: after its own wait for
           // the turn, in this warpgroup, while the writer warp may still be busy with an
           // earlier tile of another counter).
-          bwd_dq_atomics<Tr>(dq, dq_offset, rows, m0, cw, ctid, cta_tile, args,
-                             Tr::kDqSplitRows ? cw * Tr::kDqRows : 0,
-                             Tr::kDqSplitRows ? 0 : cw * Tr::kDqCols, true, true);
+          bwd_dq_atomics<Tr>(dq, dq_offset, rows, m0, cw, ctid, cta_tile, args, Tr::dq_row0(cw),
+                             Tr::dq_col0(cw), true, true);
         }
         // dK += dS^T Q is done with Q and dS^T: the stage goes back to the producer.
         wgmma_wait<0>();
