@@ -5,8 +5,9 @@
 //   nvcc -std=c++17 -O3 -I cpp -gencode=arch=compute_90a,code=sm_90a -DJAX_FLASH_BUILT_SM90A=1 \
 //       tools/bwd_wgmma_check.cu \
 //       cpp/cuda/bwd_wgmma.cu cpp/cuda/sm90_host.cu -o bwd_wgmma_check
-// Run: ./bwd_wgmma_check [--quick | --det | --time-only]
-//   --quick: correctness only, no timing; --det: only the deterministic cases and timings.
+// Run: ./bwd_wgmma_check [--quick | --det | --time-only | --order]
+//   --quick: correctness only, no timing; --det: only the deterministic cases and timings;
+//   --order: timing of the cells a launch order or the segment-id walk moves.
 //
 // Part 1 builds lse and delta = rowsum(dO * O) with a naive float32 forward on the GPU, then
 // compares dQ, dK, dV of bwd_wgmma (bf16) against a naive float32 backward (one thread per query
@@ -877,6 +878,32 @@ int main(int argc, char** argv) {
     std::printf(ok ? "all deterministic cases passed\n" : "FAILED\n");
     time_deterministic_all();
     return ok ? 0 : 1;
+  }
+  if (argc > 1 && std::strcmp(argv[1], "--order") == 0) {
+    // The cells a launch order or the segment-id walk moves (bench_masks.py's 11 documents).
+    const std::vector<int> docs = {3494, 2632, 2125, 1152, 1305, 229, 367, 130, 770, 3343, 837};
+    for (int d : {128, 64, 256}) {
+      const int h = 2048 / d;
+      for (int s : {1024, 4096}) {
+        const std::string causal = "causal S=" + std::to_string(s);
+        time_case(causal.c_str(), dense(16384 / s, s, s, h, h, d, -1, 0));
+        if (d == 128) {
+          const std::string full = "unmasked S=" + std::to_string(s);
+          time_case(full.c_str(), dense(16384 / s, s, s, h, h, d));
+        }
+      }
+      if (d != 128) continue;
+      time_case("causal S=16384", dense(1, 16384, 16384, h, h, d, -1, 0));
+      time_case("window 1k over 16k", dense(1, 16384, 16384, h, h, d, 1023, 0));
+      std::vector<int> cu = {0};
+      for (int n : docs) cu.push_back(cu.back() + n);
+      time_case("11 documents packed", packed(cu, cu, 16384, 16384, h, h, d, -1, 0));
+      Case seg = dense(1, 16384, 16384, h, h, d, -1, 0);
+      seg.segments = 1;
+      seg.runs = docs;
+      time_case("11 documents segment ids", seg);
+    }
+    return 0;
   }
   if (time_only) {
     // An optional head_dim after --time-only times only that one.

@@ -5,11 +5,13 @@
 //   nvcc -std=c++17 -O3 -I cpp -gencode=arch=compute_90a,code=sm_90a -DJAX_FLASH_BUILT_SM90A=1 \
 //       tools/wgmma_check.cu \
 //       cpp/cuda/fwd_wgmma.cu cpp/cuda/sm90_host.cu -o wgmma_check
-// Run: ./wgmma_check [--quick | --softmax | --time | --cell D S causal|full]
+// Run: ./wgmma_check [--quick | --correct | --softmax | --time | --order | --cell D S causal|full]
 //   --quick: a few small cases, no timing; for compute-sanitizer.
 //   --softmax: only the softmax-bound timing cells (part 3), no correctness cases; for comparing
 //   two builds back to back.
+//   --correct: part 1 only (every correctness case, no timing).
 //   --time: parts 2 and 3 only (no correctness cases).
+//   --order: the cells a launch order or the segment-id walk moves (timing only).
 //   --cell: one dense cell of part 2 (head_dim D, seqlen S, batch 16384 / S); for a profiler.
 //
 // Part 1 compares O and lse with a naive float32 reference on the GPU (one thread per query row
@@ -245,6 +247,9 @@ struct Case {
   bool sinks = false;
   Segments segments = Segments::kNone;
   int max_run = 300;
+  // Segments::kRuns with these run lengths (in order, the same for queries and keys) instead of
+  // random ones, when given.
+  std::vector<int> doc_lens;
   // Poison (NaN) the Q, K and V rows of this sequence / dense batch element, and the rows past
   // the last packed sequence; -1: none. Its rows are then left out of the comparison.
   int poison = -1;
@@ -454,7 +459,14 @@ void build(Problem& pb, const Case& c, uint64_t seed) {
     std::vector<int32_t> q_ids, kv_ids;
     for (int b = 0; b < c.batch; ++b) {
       const uint64_t s = seed * 11 + b;
-      const auto qi = segment_ids(c.seqlen_q, c.segments, c.max_run, s);
+      auto qi = segment_ids(c.seqlen_q, c.segments, c.max_run, s);
+      if (!c.doc_lens.empty()) {
+        int pos = 0;
+        for (size_t d = 0; d < c.doc_lens.size(); ++d) {
+          for (int j = 0; j < c.doc_lens[d] && pos < c.seqlen_q; ++j)
+            qi[pos++] = static_cast<int>(d);
+        }
+      }
       // kRuns: the keys follow the queries' pattern (stretched when the lengths differ).
       std::vector<int32_t> ki;
       if (c.segments == Segments::kRunsApart) {
@@ -859,6 +871,46 @@ void time_softmax_cells() {
   }
 }
 
+// The launch-order and segment-id study: the cells a tile order or the segment walk can move.
+// The documents are bench_masks.py's (seed 0): 11 documents filling 16k tokens.
+void time_order_cells() {
+  const int64_t inf = kUnbounded;
+  const std::vector<int> docs = {3494, 2632, 2125, 1152, 1305, 229, 367, 130, 770, 3343, 837};
+  std::vector<std::pair<int, int>> seqs;
+  for (int d : docs) seqs.push_back({d, d});
+  for (int head_dim : {128, 64, 256}) {
+    const int heads = 2048 / head_dim;
+    for (int s : {1024, 4096}) {
+      for (bool causal : {true, false}) {
+        if (!causal && head_dim != 128) continue;
+        Case c = dense(DType::kBF16, head_dim, s, s, heads, inf, causal ? 0 : inf);
+        c.batch = 16384 / s;
+        c.heads_q = heads;
+        char label[64];
+        std::snprintf(label, sizeof(label), "B=%2d S=%5d %s", c.batch, s,
+                      causal ? "causal" : "full");
+        time_case(c, label, 0.0);
+      }
+    }
+    if (head_dim != 128) continue;
+    Case c16 = dense(DType::kBF16, head_dim, 16384, 16384, heads, inf, 0);
+    c16.batch = 1;
+    c16.heads_q = heads;
+    time_case(c16, "B= 1 S=16384 causal", 0.0);
+    Case window = c16;
+    window.left = 1023;
+    time_case(window, "window 1k over 16k", 0.0);
+    Case packed_docs = packed(DType::kBF16, head_dim, seqs, 0, 0, inf, 0);
+    packed_docs.heads_q = heads;
+    packed_docs.heads_kv = heads;
+    time_case(packed_docs, "11 documents packed (varlen)", 0.0);
+    Case seg = c16;
+    seg.segments = Segments::kRuns;
+    seg.doc_lens = docs;
+    time_case(seg, "11 documents as segment ids", 0.0);
+  }
+}
+
 // One dense cell of the timing grid: bf16, 16k tokens (batch 16384 / s), hidden 2048.
 void time_grid_cell(int head_dim, int s, bool causal) {
   const int heads = 2048 / head_dim;
@@ -876,6 +928,7 @@ int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   const bool softmax_only = argc > 1 && std::strcmp(argv[1], "--softmax") == 0;
   const bool time_only = argc > 1 && std::strcmp(argv[1], "--time") == 0;
+  const bool correct_only = argc > 1 && std::strcmp(argv[1], "--correct") == 0;
   int device = 0;
   CHECK_CUDA(cudaGetDevice(&device));
   cudaDeviceProp prop;
@@ -885,6 +938,10 @@ int main(int argc, char** argv) {
 
   if (softmax_only) {
     time_softmax_cells();
+    return 0;
+  }
+  if (argc > 1 && std::strcmp(argv[1], "--order") == 0) {
+    time_order_cells();
     return 0;
   }
   // --cell D S causal|full: one cell of the timing grid below (bf16, 16k tokens, hidden 2048),
@@ -942,7 +999,7 @@ int main(int argc, char** argv) {
   }
   std::printf("%d of %zu cases failed\n", failures, cases.size());
 
-  if (!quick) {
+  if (!quick && !correct_only) {
     const int seqlens[] = {1024, 2048, 4096, 16384};
     for (int head_dim : {128, 64, 256}) {
       for (bool causal : {false, true}) {

@@ -127,6 +127,10 @@ struct Band {
   bool bottom_right = true;
 
   JF_HOST_DEVICE bool unbounded() const { return left >= kUnbounded && right >= kUnbounded; }
+  // Exactly one side bounded (causal, say): a sequence's query tiles see key ranges of different
+  // lengths, so its tiles do unequal work. Both sides bounded (a sliding window) or neither: every
+  // tile away from the sequence's ends sees as many keys as the next.
+  JF_HOST_DEVICE bool one_sided() const { return (left >= kUnbounded) != (right >= kUnbounded); }
   // Any bound from kUnbounded up means none; clamping keeps every kernel's band arithmetic far
   // from int64 overflow.
   JF_HOST_DEVICE Band clamped() const {
@@ -171,6 +175,35 @@ JF_HOST_DEVICE IdRange id_range(const int32_t* ranges, int64_t p0, int64_t p1) {
     const int32_t hi = ranges[2 * c + 1];
     r.lo = lo < r.lo ? lo : r.lo;
     r.hi = hi > r.hi ? hi : r.hi;
+  }
+  return r;
+}
+
+// id_range over [p0, p1) for a range of at most kChunks chunks starting on a chunk boundary: every
+// load is issued before any is used (one memory round trip), each chunk's (min, max) as one 8-byte
+// load. `ranges` must be 8-byte aligned.
+template <int kChunks>
+JF_HOST_DEVICE IdRange id_range_fixed(const int32_t* ranges, int64_t p0, int64_t p1) {
+  const int64_t c0 = p0 / kSegmentChunk;
+  int32_t lo[kChunks], hi[kChunks];
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const bool in = (c0 + i) * kSegmentChunk < p1;
+#if defined(__CUDA_ARCH__)
+    const int2 v = in ? *reinterpret_cast<const int2*>(ranges + 2 * (c0 + i))
+                      : make_int2(2147483647, -2147483647 - 1);
+    lo[i] = v.x;
+    hi[i] = v.y;
+#else
+    lo[i] = in ? ranges[2 * (c0 + i)] : 2147483647;
+    hi[i] = in ? ranges[2 * (c0 + i) + 1] : -2147483647 - 1;
+#endif
+  }
+  IdRange r{lo[0], hi[0]};
+#pragma unroll
+  for (int i = 1; i < kChunks; ++i) {
+    r.lo = lo[i] < r.lo ? lo[i] : r.lo;
+    r.hi = hi[i] > r.hi ? hi[i] : r.hi;
   }
   return r;
 }

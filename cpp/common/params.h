@@ -87,8 +87,13 @@ inline bool params_well_formed(const P& p) {
   } else if (l.batch < 0 || l.seqlen_q < 0 || l.seqlen_k < 0) {
     return false;
   }
+  // Chunk ranges are read as (min, max) pairs of 8 bytes (id_range_fixed).
   const SegmentIds& s = m.segments;
-  return !s.enabled() || (s.kv_ids != nullptr && s.q_ranges != nullptr && s.kv_ranges != nullptr);
+  const auto pairs_aligned = [](const int32_t* r) {
+    return reinterpret_cast<uintptr_t>(r) % 8 == 0;
+  };
+  return !s.enabled() || (s.kv_ids != nullptr && s.q_ranges != nullptr && s.kv_ranges != nullptr &&
+                          pairs_aligned(s.q_ranges) && pairs_aligned(s.kv_ranges));
 }
 
 }  // namespace jax_flash

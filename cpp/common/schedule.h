@@ -132,4 +132,48 @@ struct SeqLayout {
   }
 };
 
+// The order in which a grid's CTAs take their tiles. A unit is what a CTA's tiles share through
+// L2 (one head of one sequence, or one head of a packed call: its K/V in the forward, its Q/dO in
+// the backward); each unit has per_unit tiles, taken by `level` (0 first). Units go in groups of
+// `group`: inside a group the CTAs walk the levels one by one with the group's units fastest, so a
+// group's heaviest tiles (level 0, when the caller puts them there) all start before any of its
+// lighter ones. group = 1 is unit-major order (all of a unit's tiles, then the next unit's), which
+// keeps the fewest units' data in L2 but lets the last unit's heavy tiles start last and finish
+// after every other CTA; a larger group shortens that tail at the cost of group units' data in
+// L2 at once.
+//
+// launch_group chooses the group (measured on an H200, docs/PERF_LOG.md): grouping pays where a
+// unit's tiles do unequal work (a causal band, packed documents of different lengths, segment
+// ids) and costs L2 reuse where they all do the same (no band, a sliding window); so those launch
+// unit-major, and the others group as many units as keep about kLaunchGroupBytes of the data
+// their tiles share (unit_bytes: K and V of a sequence-head in the forward, Q and dO in the
+// backward; 0 when unknown, as with segment ids) in flight, at most kMaxLaunchGroup.
+inline constexpr int64_t kLaunchGroupBytes = int64_t{16} << 20;
+inline constexpr int64_t kMaxLaunchGroup = 16;
+
+JF_HOST_DEVICE int64_t launch_group(bool unequal_tiles, int64_t unit_bytes, int64_t units) {
+  if (!unequal_tiles || units <= 1) return 1;
+  int64_t g = unit_bytes > 0 ? kLaunchGroupBytes / unit_bytes : kMaxLaunchGroup;
+  g = g < kMaxLaunchGroup ? g : kMaxLaunchGroup;
+  g = g < units ? g : units;
+  return g > 1 ? g : 1;
+}
+
+struct LaunchOrder {
+  int64_t units = 0;
+  int64_t per_unit = 0;
+  int64_t group = 1;  // >= 1
+
+  JF_HOST_DEVICE int64_t ctas() const { return units * per_unit; }
+  // (unit, level) of grid position cta < ctas().
+  JF_HOST_DEVICE void locate(int64_t cta, int64_t& unit, int64_t& level) const {
+    const int64_t span = group * per_unit;
+    const int64_t first = (cta / span) * group;
+    const int64_t size = units - first < group ? units - first : group;
+    const int64_t r = cta - first * per_unit;
+    level = r / size;
+    unit = first + (r - level * size);
+  }
+};
+
 }  // namespace jax_flash

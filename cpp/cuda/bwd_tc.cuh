@@ -152,13 +152,14 @@ struct BwdArgs {
   // the tensors are formed in int64.
   int heads_q;
   int heads_kv;
-  int group;         // heads_q / heads_kv
-  int tiles;         // layout.tiles(kBlockN, true): key tiles per kv head
-  int seq_tiles;     // dense: key tiles per sequence; packed: 0
-  float scale;       // softmax_scale, folded into dK at the end
-  float scale_log2;  // base-2 multiplier of the score: softmax_scale * log2(e), or with a
-                     // softcap c, c * log2(e) (the score is then tanh(cap_scale * q.k))
-  float cap_scale;   // softmax_scale / c
+  int group;          // heads_q / heads_kv
+  int tiles;          // layout.tiles(kBlockN, true): key tiles per kv head
+  int seq_tiles;      // dense: key tiles per sequence; packed: 0
+  LaunchOrder order;  // units: (sequence, kv head) dense, kv head packed; levels: key tiles
+  float scale;        // softmax_scale, folded into dK at the end
+  float scale_log2;   // base-2 multiplier of the score: softmax_scale * log2(e), or with a
+                      // softcap c, c * log2(e) (the score is then tanh(cap_scale * q.k))
+  float cap_scale;    // softmax_scale / c
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -489,9 +490,9 @@ __device__ __forceinline__ int find_query_tile(const BwdArgs& args, uint32_t win
       bool cand_seen = false;
       bool cand_single = false;
       if (cand < m_end) {
-        const IdRange r =
-            id_range(args.segments.q_ranges + batch * args.q_id_chunks * 2,
-                     static_cast<int64_t>(cand) * kBlockM, min((cand + 1) * kBlockM, len_q));
+        const IdRange r = id_range_fixed<kBlockM / kSegmentChunk>(
+            args.segments.q_ranges + batch * args.q_id_chunks * 2,
+            static_cast<int64_t>(cand) * kBlockM, min((cand + 1) * kBlockM, len_q));
         cand_seen = !r.disjoint(kv_range);
         cand_single = r.same_single(kv_range);
       }
@@ -599,23 +600,19 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
   {
     const uint32_t smem_base = tc::smem_addr(smem);
     const int tid = threadIdx.x;
-    // Key tiles of one kv head are adjacent in launch order, so that co-resident blocks share
-    // the same Q, dO and dq_accum rows in L2; dense batches keep the sequence outermost.
+    // Key tiles of one kv head go in the launch order of LaunchOrder (common/schedule.h), so
+    // that co-resident blocks share the same Q, dO and dq_accum rows in L2; dense units are
+    // (sequence, kv head).
     int head_kv;
     int64_t tile_index;
     {
-      const int bid = static_cast<int>(blockIdx.x);
       const bool ordered = args.dq_semaphores != nullptr;
-      if (!args.layout.varlen()) {
-        const int n =
-            static_cast<int>(dq_launch_tile(bid % args.seq_tiles, args.seq_tiles, ordered));
-        const int bh = bid / args.seq_tiles;
-        head_kv = bh % args.heads_kv;
-        tile_index = static_cast<int64_t>(bh / args.heads_kv) * args.seq_tiles + n;
-      } else {
-        head_kv = bid / args.tiles;
-        tile_index = dq_launch_tile(bid - head_kv * args.tiles, args.tiles, ordered);
-      }
+      int64_t unit, level;
+      args.order.locate(blockIdx.x, unit, level);
+      const int64_t per = args.order.per_unit;
+      const int64_t n = dq_launch_tile(level, per, ordered);
+      head_kv = static_cast<int>(unit % args.heads_kv);
+      tile_index = args.layout.varlen() ? n : (unit / args.heads_kv) * per + n;
     }
     const SeqTile tile = args.layout.tile(tile_index, kBlockN, true);
     if (tile.empty(kBlockN, true)) return;
@@ -639,7 +636,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
     bool single = false;
     IdRange kv_range{0, 0};
     if constexpr (kSegments) {
-      kv_range = id_range(args.segments.kv_ranges + batch * args.kv_id_chunks * 2, n0, n1);
+      kv_range = id_range_fixed<kBlockN / kSegmentChunk>(
+          args.segments.kv_ranges + batch * args.kv_id_chunks * 2, n0, n1);
       const uint32_t window = info.window_addr(tid / 32);
       st_shared_b32(window + offsetof(BlockInfo::Window, base), static_cast<uint32_t>(-64));
       __syncwarp();  // every lane's store before any lane's read
@@ -1057,6 +1055,13 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
     args.tiles = static_cast<int>(tiles);
     args.seq_tiles =
         layout.varlen() ? 0 : static_cast<int>((layout.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN);
+    // The Q and dO a unit's key tiles share: one sequence's rows of its group of query heads.
+    args.order.units = layout.varlen() ? params.heads_kv : layout.batch * params.heads_kv;
+    args.order.per_unit = layout.varlen() ? tiles : args.seq_tiles;
+    const int64_t rows = layout.varlen() ? layout.max_seqlen_q : layout.seqlen_q;
+    const int64_t q_bytes = rows * kHeadDim * 2 * 2 * group;
+    args.order.group = launch_group(layout.varlen() || kSegments || params.mask.band.one_sided(),
+                                    kSegments ? 0 : (q_bytes > 0 ? q_bytes : 1), args.order.units);
     const double softcap = params.mask.softcap;
     args.scale = static_cast<float>(params.softmax_scale);
     args.scale_log2 = static_cast<float>((kSoftcap ? softcap : params.softmax_scale) * M_LOG2E);

@@ -60,8 +60,9 @@ struct BwdWgmmaArgs {
   int64_t seg_stride_k;  // layout.seqlen_k
   int heads_q;
   int heads_kv;
-  int group;  // heads_q / heads_kv
-  int tiles;  // layout.tiles(kBlockN, true): key tiles of one kv head
+  int group;          // heads_q / heads_kv
+  int tiles;          // layout.tiles(kBlockN, true): key tiles of one kv head
+  LaunchOrder order;  // units: kv heads; levels: their key tiles (every sequence's)
   float scale;
   float scale_log2;
   // Soft-capping, as the forward computes it: t = tanh(x * softcap_scale) for the raw product
@@ -283,13 +284,15 @@ struct BwdCtaTile {
 template <int kBlockM, int kBlockN>
 JF_HOST_DEVICE BwdCtaTile bwd_cta_tile(const BwdWgmmaArgs& args, const Band& band, bool segments,
                                        int cta) {
-  const int64_t tile = dq_launch_tile(cta % args.tiles, args.tiles, args.dq_semaphores != nullptr);
+  int64_t unit, level;
+  args.order.locate(cta, unit, level);
+  const int64_t tile = dq_launch_tile(level, args.tiles, args.dq_semaphores != nullptr);
   const SeqTile st = args.layout.tile(tile, kBlockN, true);
   BwdCtaTile ct;
   ct.span = st.span;
   ct.mask = band.for_seq(st.span.len_q, st.span.len_k);
   ct.kv_range = IdRange{0, 0};
-  ct.head_kv = cta / args.tiles;
+  ct.head_kv = static_cast<int>(unit);
   ct.empty = st.empty(kBlockN, true) ? 1 : 0;
   ct.n0 = 0;
   ct.m_first = 0;
@@ -306,7 +309,8 @@ JF_HOST_DEVICE BwdCtaTile bwd_cta_tile(const BwdWgmmaArgs& args, const Band& ban
   }
   if (segments) {
     const int64_t chunks = (args.seg_stride_k + kSegmentChunk - 1) / kSegmentChunk;
-    ct.kv_range = id_range(args.segments.kv_ranges + st.span.batch * chunks * 2, n0, n1);
+    ct.kv_range = id_range_fixed<kBlockN / kSegmentChunk>(
+        args.segments.kv_ranges + st.span.batch * chunks * 2, n0, n1);
   }
   return ct;
 }
@@ -329,7 +333,7 @@ JF_HOST_DEVICE BwdPair bwd_pair(const BwdCtaTile& ct, int m0, bool segments,
   pr.rows = ct.span.len_q - m0 < kBlockM ? static_cast<int>(ct.span.len_q - m0) : kBlockM;
   pr.flags = ct.mask.tile_full(m0, m0 + pr.rows, ct.n0, ct.n0 + kBlockN) ? 0 : kPairMasked;
   if (segments) {
-    const IdRange q_range = id_range(q_ranges, m0, m0 + pr.rows);
+    const IdRange q_range = id_range_fixed<kBlockM / kSegmentChunk>(q_ranges, m0, m0 + pr.rows);
     if (q_range.disjoint(ct.kv_range)) {
       pr.flags = -1;
       return pr;

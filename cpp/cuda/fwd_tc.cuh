@@ -148,13 +148,14 @@ struct FwdArgs {
   const float* sinks;  // [batch, heads_q] natural-log sinks, or nullptr
   int64_t sinks_batch_stride;
   int heads_q;
-  int q_per_kv;      // heads_q / heads_kv
-  int tiles;         // layout.tiles(kBlockM, false): query tiles per head
-  int seq_tiles;     // dense: query tiles per sequence (ceil(seqlen_q / kBlockM)); packed: 0
-  bool reverse;      // launch each head's last (heaviest, for a right-bounded band) tiles first
-  float scale_log2;  // base-2 multiplier of the score: softmax_scale * log2(e), or with a
-                     // softcap c, c * log2(e) (the kernel's score is then tanh(cap_scale * q.k))
-  float cap_scale;   // softmax_scale / c
+  int q_per_kv;       // heads_q / heads_kv
+  int tiles;          // layout.tiles(kBlockM, false): query tiles per head
+  int seq_tiles;      // dense: query tiles per sequence (ceil(seqlen_q / kBlockM)); packed: 0
+  bool reverse;       // launch each head's last (heaviest, for a right-bounded band) tiles first
+  LaunchOrder order;  // units: (sequence, head) dense, head packed; levels: query tiles
+  float scale_log2;   // base-2 multiplier of the score: softmax_scale * log2(e), or with a
+                      // softcap c, c * log2(e) (the kernel's score is then tanh(cap_scale * q.k))
+  float cap_scale;    // softmax_scale / c
 };
 
 // Which key blocks a query tile with segment ids visits, for 32 consecutive candidate blocks at a
@@ -254,24 +255,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
   const int lane = tid % 32;
   const int warp = tid / 32;
 
-  // Query tiles of one head are adjacent in launch order so that they share K/V through L2;
-  // a right-bounded band (causal) launches each head's heaviest (last) tile first so that short
-  // tiles fill the tail. Dense batches keep the sequence outermost (batch, head, tile).
+  // Query tiles of one head go in the launch order of LaunchOrder (common/schedule.h), so that
+  // they share K/V through L2; a right-bounded band (causal) launches each head's heaviest (last)
+  // tile first so that short tiles fill the tail. Dense units are (sequence, head).
   int head;
   int64_t tile_index;
   {
-    const int bid = static_cast<int>(blockIdx.x);
-    if (!args.layout.varlen()) {
-      const int idx = bid % args.seq_tiles;
-      const int bh = bid / args.seq_tiles;
-      head = bh % args.heads_q;
-      tile_index = static_cast<int64_t>(bh / args.heads_q) * args.seq_tiles +
-                   (args.reverse ? args.seq_tiles - 1 - idx : idx);
-    } else {
-      head = bid / args.tiles;
-      const int idx = bid - head * args.tiles;
-      tile_index = args.reverse ? args.tiles - 1 - idx : idx;
-    }
+    int64_t unit, level;
+    args.order.locate(blockIdx.x, unit, level);
+    const int64_t per = args.order.per_unit;
+    const int64_t idx = args.reverse ? per - 1 - level : level;
+    head = static_cast<int>(unit % args.heads_q);
+    tile_index = args.layout.varlen() ? idx : (unit / args.heads_q) * per + idx;
   }
   const SeqTile tile = args.layout.tile(tile_index, kBlockM, false);
   if (tile.empty(kBlockM, false)) return;
@@ -328,8 +323,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
   // walks key blocks downwards; a warp classifies 32 candidate blocks per ballot (SegWindow), so
   // a long run of disjoint blocks costs one round trip, not one per block.
   if constexpr (kSegments) {
-    const IdRange q_range =
-        id_range(args.segments.q_ranges + span.batch * args.q_id_chunks * 2, m0, m1);
+    const IdRange q_range = id_range_fixed<kBlockM / kSegmentChunk>(
+        args.segments.q_ranges + span.batch * args.q_id_chunks * 2, m0, m1);
     st_shared_u32(win_addr(offsetof(SegWindow, base)), static_cast<uint32_t>(-1));
     st_shared_u32(win_addr(offsetof(SegWindow, q_lo)), static_cast<uint32_t>(q_range.lo));
     st_shared_u32(win_addr(offsetof(SegWindow, q_hi)), static_cast<uint32_t>(q_range.hi));
@@ -354,9 +349,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
                 static_cast<int32_t>(ld_shared_u32(win_addr(offsetof(SegWindow, q_lo)))),
                 static_cast<int32_t>(ld_shared_u32(win_addr(offsetof(SegWindow, q_hi))))};
             const int batch = static_cast<int>(ld_shared_u32(win_addr(offsetof(SegWindow, batch))));
-            const IdRange r =
-                id_range(args.segments.kv_ranges + batch * args.kv_id_chunks * 2,
-                         static_cast<int64_t>(cand) * kBlockN, min((cand + 1) * kBlockN, len_k));
+            const IdRange r = id_range_fixed<kBlockN / kSegmentChunk>(
+                args.segments.kv_ranges + batch * args.kv_id_chunks * 2,
+                static_cast<int64_t>(cand) * kBlockN, min((cand + 1) * kBlockN, len_k));
             seen = !r.disjoint(q_range);
             single = r.same_single(q_range);
           }
@@ -806,6 +801,13 @@ cudaError_t launch_fwd(const FwdParams& params, cudaStream_t stream) {
   args.seq_tiles =
       layout.varlen() ? 0 : static_cast<int>((layout.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
   args.reverse = kBand && params.mask.band.right < kUnbounded;
+  // The K and V of a unit's sequence are shared with the other query heads of its kv head.
+  args.order.units = layout.varlen() ? params.heads_q : layout.batch * params.heads_q;
+  args.order.per_unit = layout.varlen() ? tiles : args.seq_tiles;
+  const int64_t keys = layout.varlen() ? layout.max_seqlen_k : layout.seqlen_k;
+  const int64_t kv_bytes = keys * Tr::kHeadDim * 2 * 2 / args.q_per_kv;
+  args.order.group = launch_group(layout.varlen() || kSegments || params.mask.band.one_sided(),
+                                  kSegments ? 0 : (kv_bytes > 0 ? kv_bytes : 1), args.order.units);
   constexpr double kLog2e = 1.4426950408889634;
   const double softcap = params.mask.softcap;
   args.scale_log2 = static_cast<float>((kSoftcap ? softcap : params.softmax_scale) * kLog2e);

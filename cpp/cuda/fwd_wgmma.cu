@@ -100,6 +100,15 @@ cudaError_t launch(const FwdParams& p, CUtensorMapDataType type, cudaStream_t st
   args.heads_q = static_cast<int>(p.heads_q);
   args.group = static_cast<int>(p.heads_q / p.heads_kv);
   args.m_blocks = l.varlen() ? 0 : static_cast<int>((l.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
+  args.order.units = l.varlen() ? p.heads_q : l.batch * p.heads_q;
+  args.order.per_unit = l.varlen() ? args.tiles : args.m_blocks;
+  // A unit's tiles share its sequence's K and V of one kv head, which args.group adjacent units
+  // (the query heads of a GQA group) share too.
+  const bool segments = p.mask.segments.enabled();
+  const int64_t keys = l.varlen() ? l.max_seqlen_k : l.seqlen_k;
+  const int64_t kv_bytes = keys * kHeadDim * 2 * int64_t{sizeof(T)} / args.group;
+  args.order.group = launch_group(l.varlen() || segments || p.mask.band.one_sided(),
+                                  segments ? 0 : std::max<int64_t>(kv_bytes, 1), args.order.units);
   args.scale_log2 = static_cast<float>(p.softmax_scale * kLog2e);
   if constexpr (kSoftcap) {
     args.softcap_scale = static_cast<float>(p.softmax_scale / p.mask.softcap);

@@ -56,7 +56,8 @@ struct FwdWgmmaArgs {
   SegmentIds segments;  // dense calls only
   const float* sinks;   // [batch, heads_q] (stride sinks_batch_stride), natural log; or nullptr
   int64_t sinks_batch_stride;
-  int64_t tiles;  // query tiles per head: layout.tiles(kBlockM, false)
+  int64_t tiles;      // query tiles per head: layout.tiles(kBlockM, false)
+  LaunchOrder order;  // units: (sequence, head) dense, head packed; levels: query tiles
   int heads_q;
   int group;            // heads_q / heads_kv: query heads sharing one K/V head
   int m_blocks;         // dense: ceil(seqlen_q / kBlockM), the query tiles of one sequence
@@ -562,7 +563,7 @@ __device__ __forceinline__ int next_key_block(KeyWalk& w, const SegmentWalk& seg
       if (cand >= w.first) {
         const int64_t c0 = static_cast<int64_t>(cand) * kBlockN;
         const int64_t c1 = c0 + kBlockN < seg.len_k ? c0 + kBlockN : seg.len_k;
-        const IdRange kv = id_range(seg.kv_ranges, c0, c1);
+        const IdRange kv = id_range_fixed<kBlockN / kSegmentChunk>(seg.kv_ranges, c0, c1);
         visit = !seg.q_tile.disjoint(kv);
         cand_mixed = !seg.q_rows.same_single(kv);
       }
@@ -793,16 +794,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   int head;
   int64_t slot;
   // Banded tiles near a sequence's end visit the most key blocks (causal): launch them first.
-  if (!varlen) {
-    const int tile = cta % args.m_blocks;
-    const int bh = cta / args.m_blocks;
-    head = bh % args.heads_q;
-    slot = static_cast<int64_t>(bh / args.heads_q) * args.m_blocks +
-           (kBand ? args.m_blocks - 1 - tile : tile);
-  } else {
-    head = static_cast<int>(cta / args.tiles);
-    const int64_t r = cta % args.tiles;
-    slot = kBand ? args.tiles - 1 - r : r;
+  {
+    int64_t unit, level;
+    args.order.locate(cta, unit, level);
+    const int64_t per = args.order.per_unit;
+    const int64_t tile = kBand ? per - 1 - level : level;
+    head = static_cast<int>(unit % args.heads_q);
+    slot = varlen ? tile : (unit / args.heads_q) * per + tile;
   }
   // The tile's span, as the compiler sees warp-uniform values (packed spans are read from
   // cu_seqlens): branches on them then need no divergence guards around later shuffles, and the
@@ -839,7 +837,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     q_ranges = args.segments.q_ranges + span.batch * q_chunks * 2;
     kv_ranges = args.segments.kv_ranges + span.batch * k_chunks * 2;
     // Read here, where every thread still has registers to spare: the producer's are few.
-    q_tile_ids = id_range(q_ranges, m0, m1);
+    q_tile_ids = id_range_fixed<kBlockM / kSegmentChunk>(q_ranges, m0, m1);
   }
 
   extern __shared__ uint8_t smem_raw[];
@@ -988,7 +986,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int32_t* kv_ids = nullptr;
     int q_id[2] = {0, 0};
     if constexpr (kSegments) {
-      seg = {kv_ranges, q_tile_ids, id_range(q_ranges, r0, r1), len_k};
+      seg = {kv_ranges, q_tile_ids, id_range_fixed<64 / kSegmentChunk>(q_ranges, r0, r1), len_k};
       kv_ids = args.segments.kv_ids + span.batch * layout.seqlen_k;
       if (active) {
         const int32_t* q_ids = args.segments.q_ids + span.batch * layout.seqlen_q;
