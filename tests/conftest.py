@@ -18,6 +18,8 @@ from __future__ import annotations
 import functools
 import math
 import re
+import shutil
+import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -78,6 +80,28 @@ GRAD_FLOOR = 0.1
 
 def dtype_id(dtype) -> str:
     return jnp.dtype(dtype).name
+
+
+@pytest.fixture
+def run_native(tmp_path: Path):
+    """Builds tests/native/<name>.cc (host-side checks of the C++ headers) with the host C++
+    compiler and runs it; returns its stdout, after asserting a zero exit. Skips the test where
+    there is no compiler."""
+    compiler = next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+    if compiler is None:
+        pytest.skip("no host C++ compiler")
+    root = Path(__file__).resolve().parent.parent
+
+    def run(name: str) -> str:
+        exe = tmp_path / name
+        source = root / "tests" / "native" / f"{name}.cc"
+        build = [compiler, "-std=c++17", "-O2", "-I", str(root / "cpp"), str(source), "-o"]
+        subprocess.run([*build, str(exe)], check=True, timeout=120)
+        done = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    return run
 
 
 @pytest.fixture
