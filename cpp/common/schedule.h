@@ -176,4 +176,20 @@ struct LaunchOrder {
   }
 };
 
+// The launch order of `units` units of per_unit tiles each, for a call with this layout and mask,
+// in its launch_group. A unit's tiles share one sequence's keys (keys = true: the forward's K and
+// V) or queries (the backward's Q and dO): at most max_seqlen rows of a packed call, seqlen of a
+// dense one, of row_bytes each, which shared_by adjacent units (the query heads of a GQA group)
+// read too.
+JF_HOST_DEVICE LaunchOrder launch_order(const SeqLayout& l, const MaskParams& m, int64_t units,
+                                        int64_t per_unit, bool keys, int64_t row_bytes,
+                                        int64_t shared_by) {
+  const bool segments = m.segments.enabled();
+  const int64_t rows = keys ? (l.varlen() ? l.max_seqlen_k : l.seqlen_k)
+                            : (l.varlen() ? l.max_seqlen_q : l.seqlen_q);
+  const int64_t bytes = rows * row_bytes / shared_by;
+  const bool unequal = l.varlen() || segments || m.band.one_sided();
+  return {units, per_unit, launch_group(unequal, segments ? 0 : (bytes > 0 ? bytes : 1), units)};
+}
+
 }  // namespace jax_flash

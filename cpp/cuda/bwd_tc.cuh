@@ -152,14 +152,14 @@ struct BwdArgs {
   // the tensors are formed in int64.
   int heads_q;
   int heads_kv;
-  int group;          // heads_q / heads_kv
-  int tiles;          // layout.tiles(kBlockN, true): key tiles per kv head
-  int seq_tiles;      // dense: key tiles per sequence; packed: 0
-  LaunchOrder order;  // units: (sequence, kv head) dense, kv head packed; levels: key tiles
-  float scale;        // softmax_scale, folded into dK at the end
-  float scale_log2;   // base-2 multiplier of the score: softmax_scale * log2(e), or with a
-                      // softcap c, c * log2(e) (the score is then tanh(cap_scale * q.k))
-  float cap_scale;    // softmax_scale / c
+  int group;  // heads_q / heads_kv
+  // Units: (sequence, kv head) dense, kv head packed; levels: key tiles (of one sequence dense,
+  // layout.tiles(kBlockN, true) packed).
+  LaunchOrder order;
+  float scale;       // softmax_scale, folded into dK at the end
+  float scale_log2;  // base-2 multiplier of the score: softmax_scale * log2(e), or with a
+                     // softcap c, c * log2(e) (the score is then tanh(cap_scale * q.k))
+  float cap_scale;   // softmax_scale / c
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -1052,16 +1052,11 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
     args.heads_q = static_cast<int>(params.heads_q);
     args.heads_kv = static_cast<int>(params.heads_kv);
     args.group = static_cast<int>(group);
-    args.tiles = static_cast<int>(tiles);
-    args.seq_tiles =
-        layout.varlen() ? 0 : static_cast<int>((layout.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN);
     // The Q and dO a unit's key tiles share: one sequence's rows of its group of query heads.
-    args.order.units = layout.varlen() ? params.heads_kv : layout.batch * params.heads_kv;
-    args.order.per_unit = layout.varlen() ? tiles : args.seq_tiles;
-    const int64_t rows = layout.varlen() ? layout.max_seqlen_q : layout.seqlen_q;
-    const int64_t q_bytes = rows * kHeadDim * 2 * 2 * group;
-    args.order.group = launch_group(layout.varlen() || kSegments || params.mask.band.one_sided(),
-                                    kSegments ? 0 : (q_bytes > 0 ? q_bytes : 1), args.order.units);
+    args.order = launch_order(
+        layout, params.mask, layout.varlen() ? params.heads_kv : layout.batch * params.heads_kv,
+        layout.varlen() ? tiles : (layout.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN, false,
+        kHeadDim * 2 * 2 * group, 1);
     const double softcap = params.mask.softcap;
     args.scale = static_cast<float>(params.softmax_scale);
     args.scale_log2 = static_cast<float>((kSoftcap ? softcap : params.softmax_scale) * M_LOG2E);

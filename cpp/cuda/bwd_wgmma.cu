@@ -143,16 +143,9 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
     args.heads_q = static_cast<int>(p.heads_q);
     args.heads_kv = static_cast<int>(p.heads_kv);
     args.group = static_cast<int>(p.heads_q / p.heads_kv);
-    args.tiles = static_cast<int>(tiles);
-    args.order.units = p.heads_kv;
-    args.order.per_unit = tiles;
-    // Units are kv heads (their key tiles of every sequence); the data a unit's CTAs share at
-    // one time is one sequence's Q and dO of the unit's query heads.
-    const bool segments = p.mask.segments.enabled();
-    const int64_t rows = l.varlen() ? l.max_seqlen_q : l.seqlen_q;
-    const int64_t q_bytes = rows * kHeadDim * 2 * int64_t{sizeof(T)} * args.group;
-    args.order.group = launch_group(l.varlen() || segments || p.mask.band.one_sided(),
-                                    segments ? 0 : std::max<int64_t>(q_bytes, 1), p.heads_kv);
+    // The data a unit's CTAs share at one time is one sequence's Q and dO of its query heads.
+    args.order = launch_order(l, p.mask, p.heads_kv, tiles, false,
+                              kHeadDim * 2 * int64_t{sizeof(T)} * args.group, 1);
     args.scale = static_cast<float>(p.softmax_scale);
     args.scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
     const double cap = p.mask.softcap;

@@ -60,9 +60,9 @@ struct BwdWgmmaArgs {
   int64_t seg_stride_k;  // layout.seqlen_k
   int heads_q;
   int heads_kv;
-  int group;          // heads_q / heads_kv
-  int tiles;          // layout.tiles(kBlockN, true): key tiles of one kv head
-  LaunchOrder order;  // units: kv heads; levels: their key tiles (every sequence's)
+  int group;  // heads_q / heads_kv
+  // Units: kv heads; levels: their key tiles, every sequence's (layout.tiles(kBlockN, true)).
+  LaunchOrder order;
   float scale;
   float scale_log2;
   // Soft-capping, as the forward computes it: t = tanh(x * softcap_scale) for the raw product
@@ -286,7 +286,7 @@ JF_HOST_DEVICE BwdCtaTile bwd_cta_tile(const BwdWgmmaArgs& args, const Band& ban
                                        int cta) {
   int64_t unit, level;
   args.order.locate(cta, unit, level);
-  const int64_t tile = dq_launch_tile(level, args.tiles, args.dq_semaphores != nullptr);
+  const int64_t tile = dq_launch_tile(level, args.order.per_unit, args.dq_semaphores != nullptr);
   const SeqTile st = args.layout.tile(tile, kBlockN, true);
   BwdCtaTile ct;
   ct.span = st.span;

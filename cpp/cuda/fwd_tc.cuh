@@ -148,14 +148,14 @@ struct FwdArgs {
   const float* sinks;  // [batch, heads_q] natural-log sinks, or nullptr
   int64_t sinks_batch_stride;
   int heads_q;
-  int q_per_kv;       // heads_q / heads_kv
-  int tiles;          // layout.tiles(kBlockM, false): query tiles per head
-  int seq_tiles;      // dense: query tiles per sequence (ceil(seqlen_q / kBlockM)); packed: 0
-  bool reverse;       // launch each head's last (heaviest, for a right-bounded band) tiles first
-  LaunchOrder order;  // units: (sequence, head) dense, head packed; levels: query tiles
-  float scale_log2;   // base-2 multiplier of the score: softmax_scale * log2(e), or with a
-                      // softcap c, c * log2(e) (the kernel's score is then tanh(cap_scale * q.k))
-  float cap_scale;    // softmax_scale / c
+  int q_per_kv;  // heads_q / heads_kv
+  bool reverse;  // launch each head's last (heaviest, for a right-bounded band) tiles first
+  // Units: (sequence, head) dense, head packed; levels: query tiles (of one sequence dense,
+  // layout.tiles(kBlockM, false) packed).
+  LaunchOrder order;
+  float scale_log2;  // base-2 multiplier of the score: softmax_scale * log2(e), or with a
+                     // softcap c, c * log2(e) (the kernel's score is then tanh(cap_scale * q.k))
+  float cap_scale;   // softmax_scale / c
 };
 
 // Which key blocks a query tile with segment ids visits, for 32 consecutive candidate blocks at a
@@ -797,17 +797,12 @@ cudaError_t launch_fwd(const FwdParams& params, cudaStream_t stream) {
   args.sinks_batch_stride = params.mask.sinks_batch_stride;
   args.heads_q = static_cast<int>(params.heads_q);
   args.q_per_kv = static_cast<int>(params.heads_q / params.heads_kv);
-  args.tiles = static_cast<int>(tiles);
-  args.seq_tiles =
-      layout.varlen() ? 0 : static_cast<int>((layout.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
   args.reverse = kBand && params.mask.band.right < kUnbounded;
   // The K and V of a unit's sequence are shared with the other query heads of its kv head.
-  args.order.units = layout.varlen() ? params.heads_q : layout.batch * params.heads_q;
-  args.order.per_unit = layout.varlen() ? tiles : args.seq_tiles;
-  const int64_t keys = layout.varlen() ? layout.max_seqlen_k : layout.seqlen_k;
-  const int64_t kv_bytes = keys * Tr::kHeadDim * 2 * 2 / args.q_per_kv;
-  args.order.group = launch_group(layout.varlen() || kSegments || params.mask.band.one_sided(),
-                                  kSegments ? 0 : (kv_bytes > 0 ? kv_bytes : 1), args.order.units);
+  args.order = launch_order(
+      layout, params.mask, layout.varlen() ? params.heads_q : layout.batch * params.heads_q,
+      layout.varlen() ? tiles : (layout.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, true,
+      Tr::kHeadDim * 2 * 2, args.q_per_kv);
   constexpr double kLog2e = 1.4426950408889634;
   const double softcap = params.mask.softcap;
   args.scale_log2 = static_cast<float>((kSoftcap ? softcap : params.softmax_scale) * kLog2e);

@@ -96,30 +96,23 @@ cudaError_t launch(const FwdParams& p, CUtensorMapDataType type, cudaStream_t st
   args.segments = p.mask.segments;
   args.sinks = static_cast<const float*>(p.mask.sinks);
   args.sinks_batch_stride = p.mask.sinks_batch_stride;
-  args.tiles = l.tiles(Tr::kBlockM, false);
   args.heads_q = static_cast<int>(p.heads_q);
   args.group = static_cast<int>(p.heads_q / p.heads_kv);
-  args.m_blocks = l.varlen() ? 0 : static_cast<int>((l.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
-  args.order.units = l.varlen() ? p.heads_q : l.batch * p.heads_q;
-  args.order.per_unit = l.varlen() ? args.tiles : args.m_blocks;
-  // A unit's tiles share its sequence's K and V of one kv head, which args.group adjacent units
-  // (the query heads of a GQA group) share too.
-  const bool segments = p.mask.segments.enabled();
-  const int64_t keys = l.varlen() ? l.max_seqlen_k : l.seqlen_k;
-  const int64_t kv_bytes = keys * kHeadDim * 2 * int64_t{sizeof(T)} / args.group;
-  args.order.group = launch_group(l.varlen() || segments || p.mask.band.one_sided(),
-                                  segments ? 0 : std::max<int64_t>(kv_bytes, 1), args.order.units);
+  args.order = launch_order(
+      l, p.mask, l.varlen() ? p.heads_q : l.batch * p.heads_q,
+      l.varlen() ? l.tiles(Tr::kBlockM, false) : (l.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, true,
+      kHeadDim * 2 * int64_t{sizeof(T)}, args.group);
   args.scale_log2 = static_cast<float>(p.softmax_scale * kLog2e);
   if constexpr (kSoftcap) {
     args.softcap_scale = static_cast<float>(p.softmax_scale / p.mask.softcap);
     args.softcap_log2 = static_cast<float>(p.mask.softcap * kLog2e);
   }
-  if (args.tiles == 0) return cudaSuccess;
+  if (args.order.ctas() == 0) return cudaSuccess;
 
   const auto kernel = sm90::fwd_wgmma_kernel<Tr>;
   const cudaError_t err = configure_kernel_once<sm90::fwd_wgmma_kernel<Tr>>(Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const unsigned grid = static_cast<unsigned>(args.tiles * p.heads_q);
+  const unsigned grid = static_cast<unsigned>(args.order.ctas());
   kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(args, tm_q, tm_k, tm_v, tm_o);
   return cudaGetLastError();
 }

@@ -56,11 +56,11 @@ struct FwdWgmmaArgs {
   SegmentIds segments;  // dense calls only
   const float* sinks;   // [batch, heads_q] (stride sinks_batch_stride), natural log; or nullptr
   int64_t sinks_batch_stride;
-  int64_t tiles;      // query tiles per head: layout.tiles(kBlockM, false)
-  LaunchOrder order;  // units: (sequence, head) dense, head packed; levels: query tiles
+  // Units: (sequence, head) dense, head packed; levels: query tiles (of one sequence dense,
+  // layout.tiles(kBlockM, false) packed).
+  LaunchOrder order;
   int heads_q;
   int group;            // heads_q / heads_kv: query heads sharing one K/V head
-  int m_blocks;         // dense: ceil(seqlen_q / kBlockM), the query tiles of one sequence
   float scale_log2;     // softmax_scale * log2(e): the softmax runs in base 2
   float softcap_scale;  // softmax_scale / softcap (soft-capping kernels)
   float softcap_log2;   // softcap * log2(e): the base-2 scale of the capped score's tanh
