@@ -3,12 +3,15 @@
 //
 // Build (from the repository root):
 //   nvcc -std=c++17 -O3 -lineinfo -I cpp -gencode=arch=compute_90a,code=sm_90a \
-//       -DJAX_FLASH_BUILT_SM90A=1 tools/decode_check.cu cpp/cuda/decode.cu -o build/decode_check
+//       -DJAX_FLASH_BUILT_SM90A=1 tools/decode_check.cu cpp/cuda/decode.cu cpp/cuda/sm90_host.cu \
+//       -o build/decode_check
 // Run: build/decode_check            every correctness case, then exit 1 if any failed
 //      build/decode_check --bench    the bandwidth table (bf16, GQA 32/8, head_dim 128)
 //      build/decode_check --bench 32 65536   one cell of it (contiguous cache, one query)
 //      JAX_FLASH_DECODE_TILES=compact build/decode_check   the same cases on the compact tiles
 //                                    (the configuration GPUs with < 227 KB smem per block get)
+//      JAX_FLASH_DECODE_COPY=cp.async build/decode_check   the same cases (or --bench) on the
+//                                    cp.async pass where sm_90 would take the TMA pass
 //      compute-sanitizer --tool memcheck build/decode_check   (racecheck / synccheck likewise)
 //
 // Correctness: random problems built on the host, run through decode_fwd, compared with a float64
@@ -599,6 +602,21 @@ std::vector<Case> cases() {
          false,
          0.0,
          true});
+    // Pages that a 64-key tile spans several of, or that do not divide it (TMA boxes of 32 and
+    // of 16 keys).
+    add({n + " gqa8/2 d128 sq1 paged32", t, 2, 1, 8, 2, 128, 500, 32, {500, 130}});
+    add({n + " gqa8/2 d128 sq2 causal paged48",
+         t,
+         3,
+         2,
+         8,
+         2,
+         128,
+         700,
+         48,
+         {700, 97, 48},
+         kUnbounded,
+         0});
     // Lengths out of range are clamped into [0, capacity].
     add({n + " gqa4/2 d128 clamp lengths paged16", t, 3, 2, 4, 2, 128, 160, 16, {100000, -5, 77}});
   }

@@ -24,6 +24,7 @@
 #include "cuda/decode_merge.cuh"
 #include "cuda/decode_simt.cuh"
 #include "cuda/decode_tc.cuh"
+#include "cuda/decode_tma.cuh"
 
 namespace jax_flash::cuda {
 namespace {
@@ -35,23 +36,40 @@ using decode::TcTraits;
 // key, so the cache keeps that far below INT_MAX.
 constexpr int64_t kMaxPositions = INT_MAX - 1024;
 
+// Whether environment variable `name` is set to `value`; each caller reads it once per process.
+bool env_is(const char* name, const char* value) {
+  const char* set = std::getenv(name);
+  return set != nullptr && std::strcmp(set, value) == 0;
+}
+
+// JAX_FLASH_DECODE_TILES=compact forces the compact tiles on any device, and
+// JAX_FLASH_DECODE_COPY=cp.async the cp.async ring on sm_90, so that one GPU tests every
+// configuration (tools/decode_check.cu).
+bool compact_tiles_forced() {
+  static const bool forced = env_is("JAX_FLASH_DECODE_TILES", "compact");
+  return forced;
+}
+
+bool cp_async_forced() {
+  static const bool forced = env_is("JAX_FLASH_DECODE_COPY", "cp.async");
+  return forced;
+}
+
+// The configurations the TMA pass serves (TcTraits::kTma) go to it where it can serve the call
+// (decode_tma.cuh), everything else to the cp.async pass.
 template <typename Tr>
 cudaError_t launch_rows(const DecodeParams& p, TcArgs args, cudaStream_t stream) {
   args.m_blocks = (args.rows + Tr::kBlockM - 1) / Tr::kBlockM;
   const int64_t blocks = p.batch * p.heads_kv * p.num_splits * args.m_blocks;
   if (blocks > INT_MAX) return cudaErrorInvalidValue;
+  if constexpr (Tr::kTma) {
+    if (!cp_async_forced() && decode::tma_usable(p)) {
+      return p.paged() ? decode::launch_tma<Tr, true>(p, args, blocks, stream)
+                       : decode::launch_tma<Tr, false>(p, args, blocks, stream);
+    }
+  }
   return p.paged() ? decode::launch_tc<Tr, true>(p, args, blocks, stream)
                    : decode::launch_tc<Tr, false>(p, args, blocks, stream);
-}
-
-// JAX_FLASH_DECODE_TILES=compact forces the compact tiles on any device, so that one GPU tests
-// both configurations (tools/decode_check.cu). Read once per process.
-bool compact_tiles_forced() {
-  static const bool forced = [] {
-    const char* value = std::getenv("JAX_FLASH_DECODE_TILES");
-    return value != nullptr && std::strcmp(value, "compact") == 0;
-  }();
-  return forced;
 }
 
 // The full-depth tiles where the device's per-block shared memory holds them (sm_90, and at

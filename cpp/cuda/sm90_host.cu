@@ -55,7 +55,8 @@ bool sm90a_kernels_usable() {
 }
 
 bool encode_bshd(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, int64_t batch,
-                 int64_t seqlen, int64_t heads, int64_t head_dim, int box_rows, int elem_bytes) {
+                 int64_t seqlen, int64_t heads, int64_t head_dim, int box_rows, int elem_bytes,
+                 CUtensorMapL2promotion promotion) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   if (elem_bytes != 2 && elem_bytes != 4) return false;
@@ -70,8 +71,7 @@ bool encode_bshd(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, in
                              static_cast<cuuint32_t>(box_rows), 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   return encode(map, type, 4, const_cast<void*>(ptr), dims, strides, box, element_strides,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promotion,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
