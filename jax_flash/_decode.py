@@ -23,7 +23,10 @@ DECODE_MIN_SEQLEN_K = 256
 
 # The host's split choice (choose_num_splits).
 MAX_SPLITS = 64
-CUDA_KEYS_PER_SPLIT = 256
+# The fewest keys a split gets: half precision 512 (eight 64-key tiles; on the H200 one sequence of
+# 8k keys ran 7% faster as 16 splits than as 32), float32/float64 128.
+CUDA_KEYS_PER_SPLIT = 512
+CUDA_EXACT_KEYS_PER_SPLIT = 128
 CPU_KEYS_PER_SPLIT = 512
 DEFAULT_SM_COUNT = 132  # an H100/H200, when no GPU can be asked
 
@@ -59,7 +62,7 @@ def choose_num_splits(
     platform "cuda" (workers: the SM count), as the CUDA decode kernel is laid out: half-precision
     inputs run one block of up to 16 rows, or of 32 (16 from head_dim 129 up), per (sequence, kv
     head) and split, two resident blocks per SM (one from head_dim 129 up), so
-    ``splits = floor(slots / (batch * heads_kv * row_blocks))``, at most ``ceil(max_keys / 256)``
+    ``splits = floor(slots / (batch * heads_kv * row_blocks))``, at most ``ceil(max_keys / 512)``
     (floor: one more split would start a second wave); float32/float64 run one warp per row,
     ``splits = ceil(32 * workers / (batch * heads_kv * rows))``, at most ``ceil(max_keys / 128)``.
     platform "cpu" (workers: the thread count): ``batch * heads_kv * splits >= 2 * workers``
@@ -74,7 +77,7 @@ def choose_num_splits(
         else:
             splits = min(
                 math.ceil(32 * workers / (tasks * max(1, rows))),
-                math.ceil(max_keys / (CUDA_KEYS_PER_SPLIT // 2)),
+                math.ceil(max_keys / CUDA_EXACT_KEYS_PER_SPLIT),
             )
     elif platform == "cpu":
         splits = min(math.ceil(2 * workers / tasks), max_keys // CPU_KEYS_PER_SPLIT)

@@ -466,7 +466,9 @@ def test_choose_num_splits():
     assert choose(1, 8, 65536, platform="cuda", workers=132, rows=64) == 16
     assert choose(1, 8, 65536, platform="cuda", workers=132, rows=64, head_dim=256) == 4
     assert choose(1, 1, 1 << 20, platform="cuda", workers=132) == 64
-    assert choose(1, 8, 300, platform="cuda", workers=132) == 2
+    assert choose(1, 8, 8192, platform="cuda", workers=132) == 16  # >= 512 keys per split
+    assert choose(1, 8, 600, platform="cuda", workers=132) == 2
+    assert choose(1, 8, 300, platform="cuda", workers=132) == 1
     assert choose(1, 8, 1, platform="cuda", workers=132) == 1
     # CUDA, float32/float64: one warp per row, 32 per SM, >= 128 keys per split.
     assert choose(1, 8, 65536, platform="cuda", workers=132, rows=4, half=False) == 64

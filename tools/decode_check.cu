@@ -767,7 +767,7 @@ int64_t recommended_splits(int64_t batch, int64_t heads_kv, int64_t rows, int64_
   const int64_t m_blocks = (rows + rows_per_block - 1) / rows_per_block;
   const int64_t slots = static_cast<int64_t>(sms) * (head_dim > 128 ? 1 : 2);
   const int64_t want = slots / (batch * heads_kv * m_blocks);
-  const int64_t cap = std::max<int64_t>(1, (keys + 255) / 256);
+  const int64_t cap = std::max<int64_t>(1, (keys + 511) / 512);
   return std::clamp<int64_t>(want, 1, cap);
 }
 

@@ -6,7 +6,7 @@
 // tail, and leave every split several 64-key tiles. With R = heads_q / heads_kv * seqlen_q:
 //   f16/bf16: m_blocks = R <= 16 ? 1 : ceil(R / (head_dim > 128 ? 16 : 32)),
 //             slots = sm_count * (head_dim > 128 ? 1 : 2)        (resident blocks on sm_90),
-//             splits = clamp(floor(slots / (batch * heads_kv * m_blocks)), 1, ceil(max_keys / 256))
+//             splits = clamp(floor(slots / (batch * heads_kv * m_blocks)), 1, ceil(max_keys / 512))
 //   f32/f64:  splits = clamp(ceil(32 * sm_count / (batch * heads_q * seqlen_q)), 1,
 //                            ceil(max_keys / 128))
 // (floor, not ceil, for f16/bf16: 4 splits x 64 sequence-heads fill 264 slots, 5 would run a
