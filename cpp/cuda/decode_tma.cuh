@@ -70,6 +70,9 @@ __global__ void __launch_bounds__(Tr::kTmaThreads, Tr::kMinBlocks)
   const int warp = tid / 32;
   const BlockWork w = block_work<Tr>(p, a);
   const int n_tiles = w.t_end - w.t_begin;
+  // The copy warp moves the whole tiles; a last tile that reaches past the sequence's end (there
+  // is at most one) is copied by the math warps themselves (see the loop).
+  const int n_whole = n_tiles > 0 && w.t_end * kBlockN > w.seqlen_k ? n_tiles - 1 : n_tiles;
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -93,55 +96,32 @@ __global__ void __launch_bounds__(Tr::kTmaThreads, Tr::kMinBlocks)
     const int boxes = kPaged ? kBlockN / a.box_rows : 1;
     int stage = 0;
     uint32_t phase = 0;
-    for (int t = 0; t < n_tiles; ++t) {
+    for (int t = 0; t < n_whole; ++t) {
       if (t >= kStages) mbar_wait(empty0 + 8 * stage, phase ^ 1);
       const int tile = w.t_begin + t;
       const uint32_t k_dst = tc::smem_addr(ring + stage * Tr::kTmaStageBytes);
       const uint32_t v_dst = k_dst + Tr::kTmaTileBytes;
       const uint32_t full = full0 + 8 * stage;
-      if ((tile + 1) * kBlockN <= w.seqlen_k) {
-        if (lane == 0) sm90::mbar_arrive_expect_tx(full, Tr::kTmaStageBytes);
-        __syncwarp();
-        if (lane < boxes) {
-          int c2, c3;  // the box's key row within its sequence (page), and the sequence (page)
-          if constexpr (kPaged) {
-            const int j = tile * kBlockN + lane * a.box_rows;
-            const int32_t page = __ldg(table + j / static_cast<int>(p.page_size));
-            c3 = min(max(page, 0), last_page);
-            c2 = j % static_cast<int>(p.page_size);
-          } else {
-            c2 = tile * kBlockN;
-            c3 = static_cast<int>(w.b);
-          }
-          const uint32_t row_off = lane * a.box_rows * 128;
+      if (lane == 0) sm90::mbar_arrive_expect_tx(full, Tr::kTmaStageBytes);
+      __syncwarp();
+      if (lane < boxes) {
+        int c2, c3;  // the box's key row within its sequence (page), and the sequence (page)
+        if constexpr (kPaged) {
+          const int j = tile * kBlockN + lane * a.box_rows;
+          const int32_t page = __ldg(table + j / static_cast<int>(p.page_size));
+          c3 = min(max(page, 0), last_page);
+          c2 = j % static_cast<int>(p.page_size);
+        } else {
+          c2 = tile * kBlockN;
+          c3 = static_cast<int>(w.b);
+        }
+        const uint32_t row_off = lane * a.box_rows * 128;
 #pragma unroll
-          for (int panel = 0; panel < kPanels; ++panel) {
-            const uint32_t off = panel * kPanelBytes + row_off;
-            sm90::tma_load_4d(k_dst + off, &tmap_k, full, panel * 64, w.kv_head, c2, c3);
-            sm90::tma_load_4d(v_dst + off, &tmap_v, full, panel * 64, w.kv_head, c2, c3);
-          }
+        for (int panel = 0; panel < kPanels; ++panel) {
+          const uint32_t off = panel * kPanelBytes + row_off;
+          sm90::tma_load_4d(k_dst + off, &tmap_k, full, panel * 64, w.kv_head, c2, c3);
+          sm90::tma_load_4d(v_dst + off, &tmap_v, full, panel * 64, w.kv_head, c2, c3);
         }
-      } else {
-        // The sequence's last, partial tile: rows at or past seqlen_k and columns at or past
-        // head_dim are zero-filled, never read.
-        const T* k = static_cast<const T*>(p.k);
-        const T* v = static_cast<const T*>(p.v);
-        const int64_t kv_row_stride = p.heads_kv * p.head_dim;
-        char* k_tile = ring + stage * Tr::kTmaStageBytes;
-        for (int x = lane; x < kBlockN * Tr::kChunksPerRow; x += 32) {
-          const int row = x / Tr::kChunksPerRow;
-          const int ch = x % Tr::kChunksPerRow;
-          const int j = tile * kBlockN + row;
-          const bool valid = j < w.seqlen_k && ch * 8 < p.head_dim;
-          const int64_t off =
-              valid ? p.key_row(w.b, j) * kv_row_stride + w.kv_head * p.head_dim + ch * 8 : 0;
-          const uint32_t dst = SwizzledTiles<Tr>::offset(row, ch);
-          tc::cp_async_16(k_tile + dst, k + off, valid);
-          tc::cp_async_16(k_tile + Tr::kTmaTileBytes + dst, v + off, valid);
-        }
-        sm90::cp_async_mbar_arrive(full);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(full);
       }
       if (++stage == kStages) {
         stage = 0;
@@ -164,14 +144,43 @@ __global__ void __launch_bounds__(Tr::kTmaThreads, Tr::kMinBlocks)
   int stage = 0;
   uint32_t phase = 0;
   for (int t = 0; t < n_tiles; ++t) {
-    mbar_wait(full0 + 8 * stage, phase);
-    const char* k_tile = ring + stage * Tr::kTmaStageBytes;
+    char* k_tile = ring + stage * Tr::kTmaStageBytes;
+    if (t < n_whole) {
+      mbar_wait(full0 + 8 * stage, phase);
+    } else {
+      // The partial last tile: each warp reads only its own 16 key rows of a tile, so it copies
+      // just those, through registers, and zero-fills rows at or past seqlen_k and columns at
+      // or past head_dim (never read). The stage's earlier use was this warp's own (the copy
+      // warp writes no further tile), so a warp barrier orders everything.
+      __syncwarp();
+      const uint4* k = static_cast<const uint4*>(p.k);
+      const uint4* v = static_cast<const uint4*>(p.v);
+      const int64_t kv_row_chunks = p.heads_kv * p.head_dim / 8;  // 16-byte chunks per key row
+      for (int x = lane; x < Tr::kKeysPerWarp * Tr::kChunksPerRow; x += 32) {
+        const int row = warp * Tr::kKeysPerWarp + x / Tr::kChunksPerRow;
+        const int ch = x % Tr::kChunksPerRow;
+        const int j = (w.t_begin + t) * kBlockN + row;
+        uint4 k_val = make_uint4(0u, 0u, 0u, 0u);
+        uint4 v_val = k_val;
+        if (j < w.seqlen_k && ch * 8 < p.head_dim) {
+          const int64_t off = p.key_row(w.b, j) * kv_row_chunks + w.kv_head * (p.head_dim / 8) + ch;
+          k_val = __ldg(k + off);
+          v_val = __ldg(v + off);
+        }
+        const uint32_t dst = SwizzledTiles<Tr>::offset(row, ch);
+        *reinterpret_cast<uint4*>(k_tile + dst) = k_val;
+        *reinterpret_cast<uint4*>(k_tile + Tr::kTmaTileBytes + dst) = v_val;
+      }
+      __syncwarp();
+    }
     const int key0 = (w.t_begin + t) * kBlockN + warp * Tr::kKeysPerWarp;
     st.template attend<SwizzledTiles<Tr>>(a, q_lane, k_tile, k_tile + Tr::kTmaTileBytes,
                                           warp * Tr::kKeysPerWarp, key0, lane, qk_steps);
     // The warp's reads of this stage are done (they fed its MMAs); release it to the copy warp.
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty0 + 8 * stage);
+    if (t < n_whole) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty0 + 8 * stage);
+    }
     if (++stage == kStages) {
       stage = 0;
       phase ^= 1;
