@@ -78,9 +78,9 @@ for stage in "${expanded[@]}"; do
         python3 -m pytest -q -rs -n "${TEST_WORKERS:-8}" --durations=10 ${TEST_ARGS:-tests}
       ;;
     test-mma)
-      # The mma.sync family, which sm_90 otherwise runs only for the head_dim-256 backward, over
-      # the half-precision tests.
-      run_stage test-mma env "${test_env[@]}" JAX_FLASH_CUDA_FAMILY=mma \
+      # The mma.sync family, which sm_90 otherwise runs only for the head_dim-256 backward, and
+      # the decode call's cp.async pass (what other GPUs run), over the half-precision tests.
+      run_stage test-mma env "${test_env[@]}" JAX_FLASH_CUDA_FAMILY=mma JAX_FLASH_DECODE_COPY=cp.async \
         timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -rs -n "${TEST_WORKERS:-8}" \
         -k "${TEST_MMA_FILTER:-float16 or bfloat16}" tests
       ;;
