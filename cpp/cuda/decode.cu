@@ -1,6 +1,8 @@
 // decode_fwd (cuda/decode.h): checks the call, turns (dtype, head_dim, rows, paged, softcap) into
-// one kernel instantiation, launches the split pass and, with num_splits > 1, the merge pass.
-// Nothing here allocates, synchronises or copies between host and device.
+// one kernel instantiation, launches the split pass (fp16/bf16: the TMA pass of decode_tma.cuh on
+// sm_90 where it applies, else the cp.async pass of decode_tc.cuh) and, with num_splits > 1, the
+// merge pass. Nothing here allocates, synchronises or copies between host and device (the TMA
+// pass encodes its two tensor maps on the host, a CPU-only call).
 //
 // The split count (chosen by the caller) should fill the device in one wave without a ragged
 // tail, and leave every split several 64-key tiles. With R = heads_q / heads_kv * seqlen_q:
