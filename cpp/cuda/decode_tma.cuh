@@ -13,9 +13,9 @@
 // that are multiples of 16; decode.cu sends others to the cp.async pass), one box per page a tile
 // touches, its page read from the block table by the copy warp's lanes.
 //
-// A sequence's last tile may hold keys at or past its length, which must never be read: the copy
-// warp copies that tile itself with zero-filling cp.async (the swizzled layout by hand) and lets
-// the tile's mbarrier track those copies, so the math warps see the same kind of tile either way.
+// A sequence's last tile may hold keys at or past its length, which must never be read, so it gets
+// no TMA box: the math warps copy it themselves, each warp the 16 rows it reads, zero-filled, into
+// the same swizzled layout (see the math loop).
 #pragma once
 
 #include <cuda.h>
@@ -45,7 +45,6 @@ __global__ void __launch_bounds__(Tr::kTmaThreads, Tr::kMinBlocks)
                       const __grid_constant__ CUtensorMap tmap_v) {
 #if JAX_FLASH_SM90A
   static_assert(Tr::kTma, "a configuration the TMA pass does not serve");
-  using T = typename Tr::T;
   using sm90::mbar_arrive;
   using sm90::mbar_wait;
   constexpr int kBlockN = Tr::kBlockN;
