@@ -58,7 +58,11 @@ kernel_check() {
 # kernel-checks stands for both drivers.
 expanded=()
 for stage in "${stages[@]}"; do
-  if [ "$stage" = kernel-checks ]; then expanded+=(fwd-check bwd-check); else expanded+=("$stage"); fi
+  if [ "$stage" = kernel-checks ]; then
+    expanded+=(fwd-check bwd-check decode-check)
+  else
+    expanded+=("$stage")
+  fi
 done
 
 for stage in "${expanded[@]}"; do
@@ -94,6 +98,17 @@ for stage in "${expanded[@]}"; do
       ;;
     fwd-check) kernel_check fwd-wgmma tools/wgmma_check.cu cpp/cuda/fwd_wgmma.cu ;;
     bwd-check) kernel_check bwd-wgmma tools/bwd_wgmma_check.cu cpp/cuda/bwd_wgmma.cu ;;
+    decode-check)
+      # The decode call's every case on the TMA pass (sm_90's default), then on the cp.async pass
+      # and the compact tiles (what other GPUs run), then the TMA pass under the sanitizers.
+      kernel_check decode tools/decode_check.cu cpp/cuda/decode.cu &&
+        run_stage decode-cp-async env JAX_FLASH_DECODE_COPY=cp.async timeout 120 build/decode &&
+        run_stage decode-compact env JAX_FLASH_DECODE_TILES=compact timeout 120 build/decode &&
+        run_stage decode-memcheck timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 \
+          build/decode &&
+        run_stage decode-racecheck timeout 150 compute-sanitizer --tool racecheck \
+          --error-exitcode 3 build/decode
+      ;;
     bench-quick)
       run_stage bench python3 benchmarks/bench_attention.py --quick --time-limit 150 \
         --out "$out/bench"
