@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   // Prologue: Q (its own commit group), then kStages - 1 tiles ahead.
   if (n_tiles > 0) {
     fetch_pages(w.t_begin);
-    load_q<Tr>(p, a, w, smem_q, tid, Tr::kNThreads);
+    load_q<Tr>(p, a, w, smem_q, tid);
   }
   tc::cp_async_commit();
 #pragma unroll
@@ -122,10 +122,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     tc::cp_async_commit();
   }
 
-  const char* q_lane = smem_q + (lane % 16) * kPitch + (lane / 16) * 16;
-  const int qk_steps = (head_dim + 15) / 16;
   WarpState<Tr> st;
-  st.init(a, w, lane / 4);
+  st.init(p, a, w, smem_q, lane);
 
   int stage = 0;
   for (int t = 0; t < n_tiles; ++t) {
@@ -139,9 +137,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
     }
     tc::cp_async_commit();
     const char* k_tile = ring + stage * Tr::kStageBytes;
-    const int key0 = (w.t_begin + t) * kBlockN + warp * Tr::kKeysPerWarp;
-    st.template attend<PaddedTiles<Tr>>(a, q_lane, k_tile, k_tile + kBlockN * kPitch,
-                                        warp * Tr::kKeysPerWarp, key0, lane, qk_steps);
+    st.template attend<PaddedTiles<Tr>>(a, k_tile, k_tile + kBlockN * kPitch, w.t_begin + t, warp,
+                                        lane);
     stage = stage + 1 == kStages ? 0 : stage + 1;
   }
 

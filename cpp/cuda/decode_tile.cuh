@@ -182,16 +182,16 @@ __device__ __forceinline__ BlockWork block_work(const DecodeParams& p, const TcA
   return w;
 }
 
-// The block's query rows into the padded Q tile, as cp.async copies of the calling threads
-// (`threads` of them, numbered `tid`); rows past r1 and columns past head_dim are zero-filled.
+// The block's query rows into the padded Q tile, as cp.async copies of the math threads (`tid` <
+// kNThreads); rows past r1 and columns past head_dim are zero-filled.
 template <typename Tr>
 __device__ __forceinline__ void load_q(const DecodeParams& p, const TcArgs& a, const BlockWork& w,
-                                       char* smem_q, int tid, int threads) {
+                                       char* smem_q, int tid) {
   using T = typename Tr::T;
   constexpr int kChunksPerRow = Tr::kChunksPerRow;
   const T* q = static_cast<const T*>(p.q);
   constexpr int kQChunks = Tr::kBlockM * kChunksPerRow;
-  for (int x = tid; x < kQChunks; x += threads) {
+  for (int x = tid; x < kQChunks; x += Tr::kNThreads) {
     const int rl = x / kChunksPerRow;
     const int ch = x % kChunksPerRow;
     const int r = w.r0 + rl;
@@ -218,8 +218,16 @@ struct WarpState {
   // key_end of its query position); padding rows past r1 see none.
   int key_lo[kMTiles][2];
   int key_hi[kMTiles][2];
+  // This lane's ldmatrix address in the padded Q tile (fwd_tc.cuh: row l % 16, chunk l / 16), and
+  // the k16 steps that hold real head-dim columns (all of them unless head_dim is padded).
+  const char* q_lane;
+  int qk_steps;
 
-  __device__ __forceinline__ void init(const TcArgs& a, const BlockWork& w, int g) {
+  __device__ __forceinline__ void init(const DecodeParams& p, const TcArgs& a, const BlockWork& w,
+                                       const char* smem_q, int lane) {
+    const int g = lane / 4;
+    q_lane = smem_q + (lane % 16) * Tr::kPitch + (lane / 16) * 16;
+    qk_steps = (static_cast<int>(p.head_dim) + 15) / 16;
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
@@ -239,15 +247,15 @@ struct WarpState {
     }
   }
 
-  // The warp's 16 keys of one landed tile: rows [warp_row, warp_row + 16) of `k_tile` and
-  // `v_tile`, laid out as `Tiles` says, keys key0 .. key0 + 15. `qk_steps`: the k16 steps that
-  // hold real head-dim columns (all of them unless head_dim is padded).
+  // Warp `warp`'s 16 keys of key tile `tile`, landed in `k_tile` and `v_tile` as `Tiles` lays
+  // them out: rows [warp_row, warp_row + 16) of the tile, keys key0 .. key0 + 15.
   template <typename Tiles>
-  __device__ __forceinline__ void attend(const TcArgs& a, const char* q_lane, const char* k_tile,
-                                         const char* v_tile, int warp_row, int key0, int lane,
-                                         int qk_steps) {
+  __device__ __forceinline__ void attend(const TcArgs& a, const char* k_tile, const char* v_tile,
+                                         int tile, int warp, int lane) {
+    const int warp_row = warp * Tr::kKeysPerWarp;
+    const int key0 = tile * Tr::kBlockN + warp_row;
     const int c = 2 * (lane % 4);
-    // ldmatrix lane addresses (fwd_tc.cuh): Q and V as (row l % 16, chunk l / 16), K as (row
+    // ldmatrix lane addresses (fwd_tc.cuh): V as Q (row l % 16, chunk l / 16), K as (row
     // l % 8 + 8 * (l / 16), chunk (l / 8) % 2), so every operand is a contiguous register run.
     const int k_row = warp_row + lane % 8 + (lane / 16) * 8;
     const int k_chunk = (lane / 8) % 2;

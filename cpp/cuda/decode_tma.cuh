@@ -131,15 +131,13 @@ __global__ void __launch_bounds__(Tr::kTmaThreads, Tr::kMinBlocks)
   }
 
   // The math warps.
-  if (n_tiles > 0) load_q<Tr>(p, a, w, smem_q, tid, Tr::kNThreads);
+  if (n_tiles > 0) load_q<Tr>(p, a, w, smem_q, tid);
   tc::cp_async_commit();
   tc::cp_async_wait<0>();
   sm90::named_barrier_sync(kMathBarrier, Tr::kNThreads);
 
-  const char* q_lane = smem_q + (lane % 16) * Tr::kPitch + (lane / 16) * 16;
-  const int qk_steps = (static_cast<int>(p.head_dim) + 15) / 16;
   WarpState<Tr> st;
-  st.init(a, w, lane / 4);
+  st.init(p, a, w, smem_q, lane);
   int stage = 0;
   uint32_t phase = 0;
   for (int t = 0; t < n_tiles; ++t) {
@@ -172,9 +170,8 @@ __global__ void __launch_bounds__(Tr::kTmaThreads, Tr::kMinBlocks)
       }
       __syncwarp();
     }
-    const int key0 = (w.t_begin + t) * kBlockN + warp * Tr::kKeysPerWarp;
-    st.template attend<SwizzledTiles<Tr>>(a, q_lane, k_tile, k_tile + Tr::kTmaTileBytes,
-                                          warp * Tr::kKeysPerWarp, key0, lane, qk_steps);
+    st.template attend<SwizzledTiles<Tr>>(a, k_tile, k_tile + Tr::kTmaTileBytes, w.t_begin + t,
+                                          warp, lane);
     // The warp's reads of this stage are done (they fed its MMAs); release it to the copy warp.
     if (t < n_whole) {
       __syncwarp();
