@@ -55,7 +55,7 @@ kernel_check() {
         "build/$name" --quick; }
 }
 
-# kernel-checks stands for both drivers.
+# kernel-checks stands for the three drivers (forward, backward, decode).
 expanded=()
 for stage in "${stages[@]}"; do
   if [ "$stage" = kernel-checks ]; then

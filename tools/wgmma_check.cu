@@ -247,7 +247,7 @@ struct Case {
   bool sinks = false;
   Segments segments = Segments::kNone;
   int max_run = 300;
-  // Segments::kRuns with these run lengths (in order, the same for queries and keys) instead of
+  // Segments::kRuns with these run lengths (document_ids; the keys follow the queries) instead of
   // random ones, when given.
   std::vector<int> doc_lens;
   // Poison (NaN) the Q, K and V rows of this sequence / dense batch element, and the rows past
@@ -301,6 +301,17 @@ std::vector<int32_t> segment_ids(int n, Segments kind, int max_run, uint64_t see
     const int run = 1 + static_cast<int>(seed % static_cast<uint64_t>(max_run));
     for (int j = 0; j < run && i < n; ++j, ++i) ids[i] = id;
     ++id;
+  }
+  return ids;
+}
+
+// Ids of `n` positions in runs of the given lengths (document d has id d); positions past the
+// last run belong to one more document.
+std::vector<int32_t> document_ids(int n, const std::vector<int>& lens) {
+  std::vector<int32_t> ids(n, static_cast<int32_t>(lens.size()));
+  int pos = 0;
+  for (size_t d = 0; d < lens.size(); ++d) {
+    for (int j = 0; j < lens[d] && pos < n; ++j) ids[pos++] = static_cast<int32_t>(d);
   }
   return ids;
 }
@@ -459,14 +470,8 @@ void build(Problem& pb, const Case& c, uint64_t seed) {
     std::vector<int32_t> q_ids, kv_ids;
     for (int b = 0; b < c.batch; ++b) {
       const uint64_t s = seed * 11 + b;
-      auto qi = segment_ids(c.seqlen_q, c.segments, c.max_run, s);
-      if (!c.doc_lens.empty()) {
-        int pos = 0;
-        for (size_t d = 0; d < c.doc_lens.size(); ++d) {
-          for (int j = 0; j < c.doc_lens[d] && pos < c.seqlen_q; ++j)
-            qi[pos++] = static_cast<int>(d);
-        }
-      }
+      const auto qi = c.doc_lens.empty() ? segment_ids(c.seqlen_q, c.segments, c.max_run, s)
+                                         : document_ids(c.seqlen_q, c.doc_lens);
       // kRuns: the keys follow the queries' pattern (stretched when the lengths differ).
       std::vector<int32_t> ki;
       if (c.segments == Segments::kRunsApart) {
