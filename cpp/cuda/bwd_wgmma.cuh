@@ -347,14 +347,6 @@ JF_HOST_DEVICE BwdPair bwd_pair(const BwdCtaTile& ct, int m0, bool segments,
 
 #if JAX_FLASH_SM90A
 
-// tanh on the special-function unit: the forward's soft-capping uses the same instruction, so
-// that both passes see the same scores.
-__device__ __forceinline__ float bwd_tanh_approx(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Half kH of an accumulator array: the m64nN accumulator's registers of columns
 // [kH N / 2, (kH + 1) N / 2) are exactly those of an m64n(N/2) accumulator of those columns.
 template <int kH, int kN>
@@ -470,8 +462,8 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Tr::kSCols / 2],
       const float x0 = s[4 * i + 2 * r];
       const float x1 = s[4 * i + 2 * r + 1];
       if constexpr (Tr::kIsSoftcap) {
-        const float t0 = bwd_tanh_approx(x0 * args.softcap_scale);
-        const float t1 = bwd_tanh_approx(x1 * args.softcap_scale);
+        const float t0 = tc::fast_tanh(x0 * args.softcap_scale);
+        const float t1 = tc::fast_tanh(x1 * args.softcap_scale);
         p0 = tc::fast_exp2(fmaf(args.softcap_log2, t0, -l2.x));
         p1 = tc::fast_exp2(fmaf(args.softcap_log2, t1, -l2.y));
         w0 = p0 * fmaf(-t0, t0, 1.f);

@@ -456,19 +456,13 @@ __device__ __forceinline__ SeqTile warp_uniform(const SeqTile& x) {
           warp_uniform(x.block)};
 }
 
-__device__ __forceinline__ float tanh_approx(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Logit soft-capping, first half: S = tanh(softmax_scale / softcap * q.k). The factor
 // softcap * log2(e) is applied by the online softmax in place of scale_log2, where it folds into
 // the exp2's FMA; it is positive, so the row max commutes with it.
 template <int kN>
 __device__ __forceinline__ void apply_softcap(float (&s)[kN], float scale) {
 #pragma unroll
-  for (int i = 0; i < kN; ++i) s[i] = tanh_approx(s[i] * scale);
+  for (int i = 0; i < kN; ++i) s[i] = tc::fast_tanh(s[i] * scale);
 }
 
 // Sets the scores of invisible keys to -inf (by select, so a NaN or Inf computed from a row that
