@@ -119,6 +119,15 @@ def test_varlen_long(rng, dtype):
     check_features(rng, q, k, v, cu_seqlens=cu, causal=True, window=(128, 0), sinks=sinks)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
+def test_varlen_many_sequences(rng, dtype):
+    # 80 short sequences (empty ones included), more than a warp's 32 lanes: the GPU kernels'
+    # span search takes two rounds to find a tile's sequence.
+    lens = [(i * 37) % 97 for i in range(80)]
+    q, k, v, cu = make_packed(rng, lens, lens, heads_q=2, heads_kv=1, head_dim=64, dtype=dtype)
+    check_features(rng, q, k, v, cu_seqlens=cu, causal=True)
+
+
 def test_only_padding(rng):
     # No sequence has a token: O = 0, lse = -inf (also with sinks), and every gradient is 0.
     q, k, v, cu = packed(rng, "empty", jnp.float32)

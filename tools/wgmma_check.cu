@@ -841,6 +841,8 @@ void feature_cases(std::vector<Case>& out, DType dt, int hd, bool quick) {
   add(packed(dt, hd, same, 37, 50, inf, 0));
   add(packed(dt, hd, apart, 0, 19, inf, 0));
   add(packed(dt, hd, documents(6000, 1, 400, 99), 16, 16, inf, 0));
+  // About 120 documents: more spans than a warp's lanes, so the span search takes two rounds.
+  add(packed(dt, hd, documents(6000, 1, 100, 98), 16, 16, inf, 0));
   add(with(packed(dt, hd, same, 5, 0, 100, 0), [](Case& c) {
     c.softcap = 8.f;
     c.amp = 2.f;

@@ -97,31 +97,49 @@ struct SeqLayout {
   JF_HOST_DEVICE SeqTile tile(int64_t t, int64_t size, bool keys) const {
     if (!varlen()) {
       const int64_t per = ceil_div(keys ? seqlen_k : seqlen_q, size);
-      const int64_t n = per > 0 ? t / per : 0;
+      // Grid positions fit 32 bits, where division is a few instructions instead of int64's
+      // software routine (LaunchOrder::work avoids it altogether).
+      constexpr int64_t k32 = int64_t{1} << 31;
+      int64_t n = 0;
+      if (t >= 0 && t < k32 && per > 0 && per < k32) {
+        n = static_cast<uint32_t>(t) / static_cast<uint32_t>(per);
+      } else if (per > 0) {
+        n = t / per;
+      }
       return {span(n), t - n * per};
     }
-    const int32_t* cu = keys ? cu_seqlens_k : cu_seqlens_q;
-    const int64_t total = keys ? total_k : total_q;
     // Largest n in [0, num_seqs] with slot_start(n) <= t; slot_start is increasing in n.
     int64_t lo = 0, hi = num_seqs;
     while (lo < hi) {
       const int64_t mid = (lo + hi + 1) / 2;
-      if (bound(cu, mid, total) / size + mid <= t) {
+      if (slot_start(mid, size, keys) <= t) {
         lo = mid;
       } else {
         hi = mid - 1;
       }
     }
-    SeqSpan s = span(lo);
-    // A key tile of the padding span covers the keys past cu_seqlens_k[num_seqs]: its span needs
-    // those keys and no queries.
-    if (keys && lo >= num_seqs) {
-      const int64_t k0 = s.k_start;
-      s.len_k = total_k - k0;
-      s.len_q = 0;
-    }
-    return {s, t - (bound(cu, lo, total) / size + lo)};
+    return slot_tile(lo, t, size, keys);
   }
+
+#if defined(__CUDACC__)
+  // tile() for a whole warp: every lane calls it, converged, with the same arguments, and gets
+  // the same tile. A packed call's span search tests 32 candidate spans a round, one a lane, so
+  // up to 32 spans take one round of cu_seqlens loads where the binary search waits for about
+  // log2(num_seqs) dependent ones: at a CTA's start, where nothing else can run yet.
+  __device__ __forceinline__ SeqTile warp_tile(int64_t t, int64_t size, bool keys) const {
+    if (!varlen()) return tile(t, size, keys);
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    int64_t lo = 0, hi = num_seqs;  // the answer lies in [lo, hi]; slot_start(0) = 0 <= t
+    while (lo < hi) {
+      const int64_t step = (hi - lo + 31) / 32;
+      const int64_t c = lo + (lane + 1) * step;
+      const unsigned below = __ballot_sync(0xffffffffu, c <= hi && slot_start(c, size, keys) <= t);
+      if (below != 0u) lo += (32 - __clz(static_cast<int>(below))) * step;
+      hi = hi < lo + step - 1 ? hi : lo + step - 1;
+    }
+    return slot_tile(lo, t, size, keys);
+  }
+#endif
 
  private:
   JF_HOST_DEVICE static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -129,6 +147,21 @@ struct SeqLayout {
   JF_HOST_DEVICE int64_t bound(const int32_t* cu, int64_t n, int64_t total) const {
     if (n > num_seqs) return total;
     return clamp64(cu[n], 0, total);
+  }
+  // The first tile slot of packed span n (see tiles()).
+  JF_HOST_DEVICE int64_t slot_start(int64_t n, int64_t size, bool keys) const {
+    return bound(keys ? cu_seqlens_k : cu_seqlens_q, n, keys ? total_k : total_q) / size + n;
+  }
+  // Tile slot t of packed span n.
+  JF_HOST_DEVICE SeqTile slot_tile(int64_t n, int64_t t, int64_t size, bool keys) const {
+    SeqSpan s = span(n);
+    // A key tile of the padding span covers the keys past cu_seqlens_k[num_seqs]: its span needs
+    // those keys and no queries.
+    if (keys && n >= num_seqs) {
+      s.len_k = total_k - s.k_start;
+      s.len_q = 0;
+    }
+    return {s, t - slot_start(n, size, keys)};
   }
 };
 
@@ -159,20 +192,99 @@ JF_HOST_DEVICE int64_t launch_group(bool unequal_tiles, int64_t unit_bytes, int6
   return g > 1 ? g : 1;
 }
 
+// Quotient and remainder by a divisor the host fixes before a launch, as one multiply-high and a
+// shift: multiplier = ceil(2^p / d) with p = 31 + ceil(log2 d) (at most 2^32 - 1), so for
+// 0 <= x < 2^31, x * multiplier / 2^p = x / d + x e / (d 2^p) with 0 <= e < d, and the second
+// term stays below 1 / d: the floor is exact. Kernels decode their grid position with it at every
+// CTA start. The int64 divisions it replaces are software routines of about a hundred
+// instructions each, and the dependent chain of them cost about 1 us of every CTA's start-up on
+// an H200 (docs/PERF_LOG.md), a tenth of a CTA's life at 1k tokens.
+struct FastDiv {
+  uint32_t divisor = 1;
+  uint32_t multiplier = 0;  // unused for divisor 1
+  uint32_t shift = 0;
+
+  FastDiv() = default;
+  // d in [1, 2^31); anything below 1 is taken as 1.
+  JF_HOST_DEVICE explicit FastDiv(int64_t d) : divisor(d > 1 ? static_cast<uint32_t>(d) : 1u) {
+    if (divisor == 1) return;
+    uint32_t log2 = 0;
+    while ((uint64_t{1} << log2) < divisor) ++log2;
+    const uint32_t p = 31 + log2;
+    multiplier = static_cast<uint32_t>(((uint64_t{1} << p) + divisor - 1) / divisor);
+    shift = p - 32;
+  }
+
+  // x / divisor for 0 <= x < 2^31.
+  JF_HOST_DEVICE uint32_t div(uint32_t x) const {
+    if (divisor == 1) return x;
+#if defined(__CUDA_ARCH__)
+    return __umulhi(x, multiplier) >> shift;
+#else
+    return static_cast<uint32_t>((uint64_t{x} * multiplier) >> 32) >> shift;
+#endif
+  }
+};
+
+// What one CTA works on: a head and a tile of one of the call's spans.
+struct CtaWork {
+  int64_t head;
+  SeqTile tile;
+};
+
 struct LaunchOrder {
   int64_t units = 0;
   int64_t per_unit = 0;
   int64_t group = 1;  // >= 1
+  // The divisors of locate and work, fixed here once per launch: a group's grid positions
+  // (group * per_unit), a whole group, the last group when it is smaller, and the heads a unit
+  // index runs over (work's units are sequence-major (sequence, head) pairs).
+  FastDiv by_span, by_group, by_last, by_heads;
+
+  LaunchOrder() = default;
+  // Grid positions, and so units and per_unit, stay below 2^31 (a grid's limit), as FastDiv needs.
+  JF_HOST_DEVICE LaunchOrder(int64_t units_, int64_t per_unit_, int64_t group_, int64_t heads = 1)
+      : units(units_),
+        per_unit(per_unit_),
+        group(group_ > 1 ? group_ : 1),
+        by_span(group * per_unit),
+        by_group(group),
+        by_last(units % group != 0 ? units % group : group),
+        by_heads(heads) {}
 
   JF_HOST_DEVICE int64_t ctas() const { return units * per_unit; }
+
   // (unit, level) of grid position cta < ctas().
   JF_HOST_DEVICE void locate(int64_t cta, int64_t& unit, int64_t& level) const {
-    const int64_t span = group * per_unit;
-    const int64_t first = (cta / span) * group;
-    const int64_t size = units - first < group ? units - first : group;
-    const int64_t r = cta - first * per_unit;
-    level = r / size;
-    unit = first + (r - level * size);
+    const uint32_t c = static_cast<uint32_t>(cta);
+    const uint32_t g = by_span.div(c);
+    const uint32_t first = g * by_group.divisor;
+    const uint32_t r = c - g * by_span.divisor;
+    // Inside the last group, when it holds fewer units, each level has only that many CTAs.
+    const FastDiv& size = first + by_group.divisor <= units ? by_group : by_last;
+    const uint32_t lv = size.div(r);
+    level = lv;
+    unit = first + (r - lv * size.divisor);
+  }
+
+  // On the device every lane of the calling warp must call it (SeqLayout::warp_tile).
+  // The head and tile of grid position cta < ctas() when the units are the (sequence, head)
+  // pairs of a dense call, sequence-major, or the heads of a packed one (one unit per head, its
+  // tiles the slots of every span), each unit's tiles of `size` rows over queries or keys
+  // (SeqLayout::tile) taken first to last, or last to first when `reverse`.
+  JF_HOST_DEVICE CtaWork work(const SeqLayout& layout, int64_t cta, bool reverse, int64_t size,
+                              bool keys) const {
+    int64_t unit, level;
+    locate(cta, unit, level);
+    const int64_t index = reverse ? per_unit - 1 - level : level;
+    const uint32_t seq = by_heads.div(static_cast<uint32_t>(unit));
+    const int64_t head = unit - int64_t{seq} * by_heads.divisor;
+#if defined(__CUDA_ARCH__)
+    if (layout.varlen()) return {head, layout.warp_tile(index, size, keys)};
+#else
+    if (layout.varlen()) return {head, layout.tile(index, size, keys)};
+#endif
+    return {head, {layout.span(seq), index}};
   }
 };
 
@@ -180,16 +292,17 @@ struct LaunchOrder {
 // in its launch_group. A unit's tiles share one sequence's keys (keys = true: the forward's K and
 // V) or queries (the backward's Q and dO): at most max_seqlen rows of a packed call, seqlen of a
 // dense one, of row_bytes each, which shared_by adjacent units (the query heads of a GQA group)
-// read too.
+// read too. `heads`: the heads a unit index runs over, for LaunchOrder::work.
 JF_HOST_DEVICE LaunchOrder launch_order(const SeqLayout& l, const MaskParams& m, int64_t units,
                                         int64_t per_unit, bool keys, int64_t row_bytes,
-                                        int64_t shared_by) {
+                                        int64_t shared_by, int64_t heads = 1) {
   const bool segments = m.segments.enabled();
   const int64_t rows = keys ? (l.varlen() ? l.max_seqlen_k : l.seqlen_k)
                             : (l.varlen() ? l.max_seqlen_q : l.seqlen_q);
   const int64_t bytes = rows * row_bytes / shared_by;
   const bool unequal = l.varlen() || segments || m.band.one_sided();
-  return {units, per_unit, launch_group(unequal, segments ? 0 : (bytes > 0 ? bytes : 1), units)};
+  return {units, per_unit, launch_group(unequal, segments ? 0 : (bytes > 0 ? bytes : 1), units),
+          heads};
 }
 
 }  // namespace jax_flash

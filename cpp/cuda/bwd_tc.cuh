@@ -603,18 +603,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
     // Key tiles of one kv head go in the launch order of LaunchOrder (common/schedule.h), so
     // that co-resident blocks share the same Q, dO and dq_accum rows in L2; dense units are
     // (sequence, kv head).
-    int head_kv;
-    int64_t tile_index;
-    {
-      const bool ordered = args.dq_semaphores != nullptr;
-      int64_t unit, level;
-      args.order.locate(blockIdx.x, unit, level);
-      const int64_t per = args.order.per_unit;
-      const int64_t n = dq_launch_tile(level, per, ordered);
-      head_kv = static_cast<int>(unit % args.heads_kv);
-      tile_index = args.layout.varlen() ? n : (unit / args.heads_kv) * per + n;
-    }
-    const SeqTile tile = args.layout.tile(tile_index, kBlockN, true);
+    const CtaWork work = args.order.work(
+        args.layout, blockIdx.x, dq_launch_reversed(args.dq_semaphores != nullptr), kBlockN, true);
+    const int head_kv = static_cast<int>(work.head);
+    const SeqTile& tile = work.tile;
     if (tile.empty(kBlockN, true)) return;
     const SeqSpan& span = tile.span;
     const int len_q = static_cast<int>(span.len_q);
@@ -1056,7 +1048,7 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
     args.order = launch_order(
         layout, params.mask, layout.varlen() ? params.heads_kv : layout.batch * params.heads_kv,
         layout.varlen() ? tiles : (layout.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN, false,
-        kHeadDim * 2 * 2 * group, 1);
+        kHeadDim * 2 * 2 * group, 1, params.heads_kv);
     const double softcap = params.mask.softcap;
     args.scale = static_cast<float>(params.softmax_scale);
     args.scale_log2 = static_cast<float>((kSoftcap ? softcap : params.softmax_scale) * M_LOG2E);

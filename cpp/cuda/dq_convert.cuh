@@ -61,9 +61,12 @@ JF_HOST_DEVICE int dq_ticket(const SeqMask& mask, int64_t m0, int64_t rows, int6
   return static_cast<int>(hi - n0 / block_n);
 }
 
+// Whether a head's key tiles launch last to first: the deterministic order does.
+JF_HOST_DEVICE bool dq_launch_reversed(bool deterministic) { return deterministic; }
+
 // The key tile (of `tiles`, in schedule order) that grid position `t` of a head works on.
 JF_HOST_DEVICE int64_t dq_launch_tile(int64_t t, int64_t tiles, bool deterministic) {
-  return deterministic ? tiles - 1 - t : t;
+  return dq_launch_reversed(deterministic) ? tiles - 1 - t : t;
 }
 
 #if defined(__CUDACC__)

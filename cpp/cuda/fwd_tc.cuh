@@ -258,17 +258,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
   // Query tiles of one head go in the launch order of LaunchOrder (common/schedule.h), so that
   // they share K/V through L2; a right-bounded band (causal) launches each head's heaviest (last)
   // tile first so that short tiles fill the tail. Dense units are (sequence, head).
-  int head;
-  int64_t tile_index;
-  {
-    int64_t unit, level;
-    args.order.locate(blockIdx.x, unit, level);
-    const int64_t per = args.order.per_unit;
-    const int64_t idx = args.reverse ? per - 1 - level : level;
-    head = static_cast<int>(unit % args.heads_q);
-    tile_index = args.layout.varlen() ? idx : (unit / args.heads_q) * per + idx;
-  }
-  const SeqTile tile = args.layout.tile(tile_index, kBlockM, false);
+  const CtaWork work = args.order.work(args.layout, blockIdx.x, args.reverse, kBlockM, false);
+  const int head = static_cast<int>(work.head);
+  const SeqTile& tile = work.tile;
   if (tile.empty(kBlockM, false)) return;
   const SeqSpan& span = tile.span;
   const int kv_head = head / args.q_per_kv;
@@ -802,7 +794,7 @@ cudaError_t launch_fwd(const FwdParams& params, cudaStream_t stream) {
   args.order = launch_order(
       layout, params.mask, layout.varlen() ? params.heads_q : layout.batch * params.heads_q,
       layout.varlen() ? tiles : (layout.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, true,
-      Tr::kHeadDim * 2 * 2, args.q_per_kv);
+      Tr::kHeadDim * 2 * 2, args.q_per_kv, params.heads_q);
   constexpr double kLog2e = 1.4426950408889634;
   const double softcap = params.mask.softcap;
   args.scale_log2 = static_cast<float>((kSoftcap ? softcap : params.softmax_scale) * kLog2e);

@@ -101,7 +101,7 @@ cudaError_t launch(const FwdParams& p, CUtensorMapDataType type, cudaStream_t st
   args.order = launch_order(
       l, p.mask, l.varlen() ? p.heads_q : l.batch * p.heads_q,
       l.varlen() ? l.tiles(Tr::kBlockM, false) : (l.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, true,
-      kHeadDim * 2 * int64_t{sizeof(T)}, args.group);
+      kHeadDim * 2 * int64_t{sizeof(T)}, args.group, p.heads_q);
   args.scale_log2 = static_cast<float>(p.softmax_scale * kLog2e);
   if constexpr (kSoftcap) {
     args.softcap_scale = static_cast<float>(p.softmax_scale / p.mask.softcap);

@@ -645,22 +645,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // ------------------------------------------------------------------ which tile
   const SeqLayout& layout = args.layout;
   const bool varlen = layout.varlen();
-  const int cta = static_cast<int>(blockIdx.x);
-  int head;
-  int64_t slot;
   // Banded tiles near a sequence's end visit the most key blocks (causal): launch them first.
-  {
-    int64_t unit, level;
-    args.order.locate(cta, unit, level);
-    const int64_t per = args.order.per_unit;
-    const int64_t tile = kBand ? per - 1 - level : level;
-    head = static_cast<int>(unit % args.heads_q);
-    slot = varlen ? tile : (unit / args.heads_q) * per + tile;
-  }
+  const CtaWork work = args.order.work(layout, blockIdx.x, kBand, kBlockM, false);
   // The tile's span, as the compiler sees warp-uniform values (packed spans are read from
   // cu_seqlens): branches on them then need no divergence guards around later shuffles, and the
   // values can live in uniform registers instead of the consumers' accumulator registers.
-  const SeqTile tile = warp_uniform(layout.tile(slot, kBlockM, false));
+  const int head = warp_uniform(static_cast<int>(work.head));
+  const SeqTile tile = warp_uniform(work.tile);
   const SeqSpan& span = tile.span;
   // The spare slot of a packed span holds no query row: its CTA runs with len_q = 0, so it visits
   // nothing and stores nothing (an early exit would also make the compiler guard every shuffle).

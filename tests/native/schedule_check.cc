@@ -3,6 +3,8 @@
 //   unit the levels come in increasing grid order (the deterministic backward waits only on
 //   lower grid positions of the same unit, so its waits always end); the units of a group share
 //   a level before any of them starts the next, and groups cover consecutive units;
+// - FastDiv gives the exact quotient for divisors in [1, 2^31) and dividends in [0, 2^31);
+// - LaunchOrder::work gives the head and tile the int64 arithmetic gives, dense and packed;
 // - launch_group stays within [1, min(kMaxLaunchGroup, units)] and is 1 for equal-work tiles;
 // - id_range_fixed equals id_range for every range it is given (chunk-aligned starts, ends
 //   anywhere up to kChunks chunks later, empty ranges included).
@@ -64,6 +66,93 @@ bool check_order(int64_t units, int64_t per_unit, int64_t group) {
   return true;
 }
 
+bool check_fast_div() {
+  constexpr int64_t kTop = (int64_t{1} << 31) - 1;
+  std::mt19937_64 rng(7);
+  std::vector<int64_t> divisors;
+  for (int64_t d = 1; d <= 4096; ++d) divisors.push_back(d);
+  for (int k = 12; k <= 31; ++k) {
+    divisors.push_back((int64_t{1} << k) - 1);
+    if (k < 31) divisors.push_back(int64_t{1} << k);
+    if (k < 31) divisors.push_back((int64_t{1} << k) + 1);
+  }
+  for (int i = 0; i < 2000; ++i) divisors.push_back(1 + static_cast<int64_t>(rng() % kTop));
+  for (const int64_t d : divisors) {
+    const jax_flash::FastDiv f(d);
+    std::vector<int64_t> xs = {d - 1, d,        d + 1,        2 * d - 1,       2 * d,
+                               kTop,  kTop - 1, kTop / d * d, kTop / d * d - 1};
+    for (int64_t x = 0; x < 300; ++x) xs.push_back(x);
+    for (int i = 0; i < 200; ++i) xs.push_back(static_cast<int64_t>(rng() % (kTop + 1)));
+    for (const int64_t x : xs) {
+      if (x < 0 || x > kTop) continue;
+      const int64_t q = f.div(static_cast<uint32_t>(x));
+      if (q != x / d) {
+        std::printf("FastDiv(%lld).div(%lld) = %lld, not %lld\n", static_cast<long long>(d),
+                    static_cast<long long>(x), static_cast<long long>(q),
+                    static_cast<long long>(x / d));
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+bool same_work(const jax_flash::CtaWork& a, int64_t head, const jax_flash::SeqTile& b) {
+  const jax_flash::SeqSpan& x = a.tile.span;
+  const jax_flash::SeqSpan& y = b.span;
+  return a.head == head && a.tile.block == b.block && x.seq == y.seq && x.batch == y.batch &&
+         x.q_start == y.q_start && x.k_start == y.k_start && x.len_q == y.len_q &&
+         x.len_k == y.len_k && x.stat_start == y.stat_start && x.stat_head == y.stat_head;
+}
+
+// work() against the int64 decode every kernel used before it: dense units are (sequence, head)
+// pairs, sequence-major; packed units are heads over every span's tile slots.
+bool check_work() {
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 300; ++trial) {
+    jax_flash::SeqLayout l;
+    const int64_t heads = 1 + rng() % 9;
+    const int64_t size = (trial % 3 == 0) ? 64 : (trial % 3 == 1 ? 128 : 192);
+    const bool keys = trial % 2 == 1;
+    std::vector<int32_t> cu;
+    if (trial % 4 == 3) {
+      const int64_t n = 1 + rng() % 12;
+      cu.push_back(0);
+      for (int64_t i = 0; i < n; ++i) cu.push_back(cu.back() + static_cast<int32_t>(rng() % 700));
+      l.cu_seqlens_q = cu.data();
+      l.cu_seqlens_k = cu.data();
+      l.num_seqs = n;
+      l.total_q = l.total_k = cu.back() + static_cast<int64_t>(rng() % 100);
+    } else {
+      l.batch = 1 + rng() % 7;
+      l.seqlen_q = 1 + rng() % 2000;
+      l.seqlen_k = 1 + rng() % 2000;
+    }
+    l.heads_q = heads;
+    const int64_t units = l.varlen() ? heads : l.batch * heads;
+    const int64_t per = l.varlen() ? l.tiles(size, keys)
+                                   : (keys ? l.seqlen_k + size - 1 : l.seqlen_q + size - 1) / size;
+    const int64_t group = 1 + rng() % 17;
+    const bool reverse = rng() % 2 == 1;
+    const jax_flash::LaunchOrder order(units, per, group, heads);
+    for (int64_t cta = 0; cta < order.ctas(); ++cta) {
+      int64_t unit, level;
+      order.locate(cta, unit, level);
+      const int64_t idx = reverse ? per - 1 - level : level;
+      const int64_t head = unit % heads;
+      const int64_t slot = l.varlen() ? idx : (unit / heads) * per + idx;
+      if (!same_work(order.work(l, cta, reverse, size, keys), head, l.tile(slot, size, keys))) {
+        std::printf("work(%lld) differs: trial %d units=%lld per=%lld group=%lld heads=%lld\n",
+                    static_cast<long long>(cta), trial, static_cast<long long>(units),
+                    static_cast<long long>(per), static_cast<long long>(group),
+                    static_cast<long long>(heads));
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
 template <int kChunks>
 bool check_ranges(std::mt19937& rng) {
   using jax_flash::kSegmentChunk;
@@ -108,6 +197,7 @@ int main() {
       }
     }
   }
+  if (!check_fast_div() || !check_work()) return 1;
   for (int64_t units = 1; units <= 64; ++units) {
     for (int64_t bytes :
          {int64_t{0}, int64_t{1}, int64_t{1} << 20, int64_t{8} << 20, int64_t{64} << 20}) {
@@ -130,7 +220,7 @@ int main() {
       return 1;
     }
   }
-  std::printf("schedule: %lld launch orders and the chunk ranges check out\n",
+  std::printf("schedule: %lld launch orders, FastDiv, work and the chunk ranges check out\n",
               static_cast<long long>(orders));
   return 0;
 }
