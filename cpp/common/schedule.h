@@ -44,6 +44,17 @@ struct SeqTile {
   }
 };
 
+// Set bits of x.
+JF_HOST_DEVICE int popcount32(uint32_t x) {
+#if defined(__CUDA_ARCH__)
+  return __popc(x);
+#else
+  int n = 0;
+  for (; x != 0u; x &= x - 1u) ++n;
+  return n;
+#endif
+}
+
 struct SeqLayout {
   // Dense: `batch` sequences of seqlen_q queries and seqlen_k keys; lse [batch, heads_q, seqlen_q].
   int64_t batch = 0;
@@ -121,23 +132,38 @@ struct SeqLayout {
     return slot_tile(lo, t, size, keys);
   }
 
-#if defined(__CUDACC__)
-  // tile() for a whole warp: every lane calls it, converged, with the same arguments, and gets
-  // the same tile. A packed call's span search tests 32 candidate spans a round, one a lane, so
-  // up to 32 spans take one round of cu_seqlens loads where the binary search waits for about
-  // log2(num_seqs) dependent ones: at a CTA's start, where nothing else can run yet.
-  __device__ __forceinline__ SeqTile warp_tile(int64_t t, int64_t size, bool keys) const {
-    if (!varlen()) return tile(t, size, keys);
-    const int lane = static_cast<int>(threadIdx.x % 32);
+  // The span of tile slot t of a packed call, searched 32 candidate spans per round: vote(pred)
+  // returns the mask of the lanes i in [0, 32) for which pred(i) holds. warp_tile votes with a
+  // warp ballot, one candidate per lane, so up to 32 spans take one round of cu_seqlens loads
+  // where the binary search of tile() waits for about log2(num_seqs) dependent ones; the host
+  // check votes with a loop over the same code.
+  template <class Vote>
+  JF_HOST_DEVICE int64_t span_of_slot(int64_t t, int64_t size, bool keys, const Vote& vote) const {
     int64_t lo = 0, hi = num_seqs;  // the answer lies in [lo, hi]; slot_start(0) = 0 <= t
     while (lo < hi) {
       const int64_t step = (hi - lo + 31) / 32;
-      const int64_t c = lo + (lane + 1) * step;
-      const unsigned below = __ballot_sync(0xffffffffu, c <= hi && slot_start(c, size, keys) <= t);
-      if (below != 0u) lo += (32 - __clz(static_cast<int>(below))) * step;
+      // Candidate lo + (i + 1) step; slot_start is increasing, so the votes are a prefix of the
+      // lanes and their count says how many steps the answer lies past lo.
+      const uint32_t below = vote([&](int i) {
+        const int64_t c = lo + (i + 1) * step;
+        return c <= hi && slot_start(c, size, keys) <= t;
+      });
+      lo += popcount32(below) * step;
       hi = hi < lo + step - 1 ? hi : lo + step - 1;
     }
-    return slot_tile(lo, t, size, keys);
+    return lo;
+  }
+
+#if defined(__CUDACC__)
+  // tile() for a whole warp: every lane calls it, converged, with the same arguments, and gets
+  // the same tile (a packed call's span found by span_of_slot with a warp ballot).
+  __device__ __forceinline__ SeqTile warp_tile(int64_t t, int64_t size, bool keys) const {
+    if (!varlen()) return tile(t, size, keys);
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    const auto ballot = [lane](const auto& pred) {
+      return static_cast<uint32_t>(__ballot_sync(0xffffffffu, pred(lane)));
+    };
+    return slot_tile(span_of_slot(t, size, keys, ballot), t, size, keys);
   }
 #endif
 

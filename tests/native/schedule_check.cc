@@ -5,6 +5,8 @@
 //   a level before any of them starts the next, and groups cover consecutive units;
 // - FastDiv gives the exact quotient for divisors in [1, 2^31) and dividends in [0, 2^31);
 // - LaunchOrder::work gives the head and tile the int64 arithmetic gives, dense and packed;
+// - SeqLayout::span_of_slot (the GPU kernels' 32-lane span search), voting by a loop over the
+//   lanes, finds the span tile()'s binary search finds, for up to 3000 sequences (three rounds);
 // - launch_group stays within [1, min(kMaxLaunchGroup, units)] and is 1 for equal-work tiles;
 // - id_range_fixed equals id_range for every range it is given (chunk-aligned starts, ends
 //   anywhere up to kChunks chunks later, empty ranges included).
@@ -153,6 +155,44 @@ bool check_work() {
   return true;
 }
 
+bool check_span_search() {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int64_t n = trial < 100 ? trial : 1 + rng() % 3000;
+    std::vector<int32_t> cu(1, 0);
+    for (int64_t i = 0; i < n; ++i) {
+      // Mostly short sequences, some empty, a few long ones.
+      const uint32_t r = rng() % 10;
+      cu.push_back(cu.back() +
+                   static_cast<int32_t>(r == 0 ? 0 : (r < 8 ? rng() % 200 : rng() % 3000)));
+    }
+    jax_flash::SeqLayout l;
+    l.cu_seqlens_q = cu.data();
+    l.cu_seqlens_k = cu.data();
+    l.num_seqs = n;
+    l.total_q = l.total_k = cu.back() + static_cast<int64_t>(rng() % 300);
+    const int64_t size = trial % 2 == 0 ? 128 : 192;
+    const bool keys = trial % 3 == 0;
+    const auto vote = [](const auto& pred) {
+      uint32_t mask = 0;
+      for (int i = 0; i < 32; ++i) mask |= pred(i) ? uint32_t{1} << i : 0u;
+      return mask;
+    };
+    for (int64_t t = 0; t < l.tiles(size, keys); ++t) {
+      const int64_t span = l.span_of_slot(t, size, keys, vote);
+      const int64_t expected = l.tile(t, size, keys).span.seq;
+      if (span != expected) {
+        std::printf("span_of_slot(%lld) = %lld, tile() says %lld (num_seqs %lld, size %lld)\n",
+                    static_cast<long long>(t), static_cast<long long>(span),
+                    static_cast<long long>(expected), static_cast<long long>(n),
+                    static_cast<long long>(size));
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
 template <int kChunks>
 bool check_ranges(std::mt19937& rng) {
   using jax_flash::kSegmentChunk;
@@ -197,7 +237,7 @@ int main() {
       }
     }
   }
-  if (!check_fast_div() || !check_work()) return 1;
+  if (!check_fast_div() || !check_work() || !check_span_search()) return 1;
   for (int64_t units = 1; units <= 64; ++units) {
     for (int64_t bytes :
          {int64_t{0}, int64_t{1}, int64_t{1} << 20, int64_t{8} << 20, int64_t{64} << 20}) {
@@ -220,7 +260,9 @@ int main() {
       return 1;
     }
   }
-  std::printf("schedule: %lld launch orders, FastDiv, work and the chunk ranges check out\n",
-              static_cast<long long>(orders));
+  std::printf(
+      "schedule: %lld launch orders, FastDiv, work, the span search and the chunk ranges check "
+      "out\n",
+      static_cast<long long>(orders));
   return 0;
 }
