@@ -218,13 +218,13 @@ JF_HOST_DEVICE int64_t launch_group(bool unequal_tiles, int64_t unit_bytes, int6
   return g > 1 ? g : 1;
 }
 
-// Quotient and remainder by a divisor the host fixes before a launch, as one multiply-high and a
-// shift: multiplier = ceil(2^p / d) with p = 31 + ceil(log2 d) (at most 2^32 - 1), so for
-// 0 <= x < 2^31, x * multiplier / 2^p = x / d + x e / (d 2^p) with 0 <= e < d, and the second
-// term stays below 1 / d: the floor is exact. Kernels decode their grid position with it at every
-// CTA start. The int64 divisions it replaces are software routines of about a hundred
-// instructions each, and the dependent chain of them cost about 1 us of every CTA's start-up on
-// an H200 (docs/PERF_LOG.md), a tenth of a CTA's life at 1k tokens.
+// Quotient by a divisor the host fixes before a launch, as one multiply-high and a shift:
+// multiplier = ceil(2^p / d) with p = 31 + ceil(log2 d) (at most 2^32 - 1), so for 0 <= x < 2^31, x
+// * multiplier / 2^p = x / d + x e / (d 2^p) with 0 <= e < d, and the second term stays below 1 /
+// d: the floor is exact. Kernels decode their grid position with it at every CTA start. The int64
+// divisions it replaces are software routines of about a hundred instructions each, and the
+// dependent chain of them cost about 1 us of every CTA's start-up on an H200 (docs/PERF_LOG.md), a
+// tenth of a CTA's life at 1k tokens.
 struct FastDiv {
   uint32_t divisor = 1;
   uint32_t multiplier = 0;  // unused for divisor 1
@@ -293,11 +293,11 @@ struct LaunchOrder {
     unit = first + (r - lv * size.divisor);
   }
 
-  // On the device every lane of the calling warp must call it (SeqLayout::warp_tile).
   // The head and tile of grid position cta < ctas() when the units are the (sequence, head)
   // pairs of a dense call, sequence-major, or the heads of a packed one (one unit per head, its
   // tiles the slots of every span), each unit's tiles of `size` rows over queries or keys
-  // (SeqLayout::tile) taken first to last, or last to first when `reverse`.
+  // (SeqLayout::tile) taken first to last, or last to first when `reverse`. On the device every
+  // lane of the calling warp must call it (a packed call's span comes from SeqLayout::warp_tile).
   JF_HOST_DEVICE CtaWork work(const SeqLayout& layout, int64_t cta, bool reverse, int64_t size,
                               bool keys) const {
     int64_t unit, level;
