@@ -218,12 +218,12 @@ JF_HOST_DEVICE int64_t launch_group(bool unequal_tiles, int64_t unit_bytes, int6
   return g > 1 ? g : 1;
 }
 
-// Quotient by a divisor the host fixes before a launch, as one multiply-high and a shift:
-// multiplier = ceil(2^p / d) with p = 31 + ceil(log2 d) (at most 2^32 - 1), so for 0 <= x < 2^31, x
-// * multiplier / 2^p = x / d + x e / (d 2^p) with 0 <= e < d, and the second term stays below 1 /
-// d: the floor is exact. Kernels decode their grid position with it at every CTA start. The int64
-// divisions it replaces are software routines of about a hundred instructions each, and the
-// dependent chain of them cost about 1 us of every CTA's start-up on an H200 (docs/PERF_LOG.md), a
+// Quotient by a divisor d the host fixes before a launch, as one multiply-high and a shift. With
+// p = 31 + ceil(log2 d) and m = ceil(2^p / d) (below 2^32), m = (2^p + e) / d for some 0 <= e < d,
+// so for 0 <= x < 2^31 the product x m / 2^p is x / d plus x e / (d 2^p) < 1 / d, and its floor
+// is exactly floor(x / d). Kernels decode their grid position with it at every CTA start: the
+// int64 divisions it replaces are software routines of about a hundred instructions each, and
+// their dependent chain cost about 1 us of every CTA's start-up on an H200 (docs/PERF_LOG.md), a
 // tenth of a CTA's life at 1k tokens.
 struct FastDiv {
   uint32_t divisor = 1;
