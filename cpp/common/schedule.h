@@ -108,15 +108,7 @@ struct SeqLayout {
   JF_HOST_DEVICE SeqTile tile(int64_t t, int64_t size, bool keys) const {
     if (!varlen()) {
       const int64_t per = ceil_div(keys ? seqlen_k : seqlen_q, size);
-      // Grid positions fit 32 bits, where division is a few instructions instead of int64's
-      // software routine (LaunchOrder::work avoids it altogether).
-      constexpr int64_t k32 = int64_t{1} << 31;
-      int64_t n = 0;
-      if (t >= 0 && t < k32 && per > 0 && per < k32) {
-        n = static_cast<uint32_t>(t) / static_cast<uint32_t>(per);
-      } else if (per > 0) {
-        n = t / per;
-      }
+      const int64_t n = per > 0 ? t / per : 0;
       return {span(n), t - n * per};
     }
     // Largest n in [0, num_seqs] with slot_start(n) <= t; slot_start is increasing in n.
@@ -261,22 +253,17 @@ struct CtaWork {
 struct LaunchOrder {
   int64_t units = 0;
   int64_t per_unit = 0;
-  int64_t group = 1;  // >= 1
   // The divisors of locate and work, fixed here once per launch: a group's grid positions
-  // (group * per_unit), a whole group, the last group when it is smaller, and the heads a unit
-  // index runs over (work's units are sequence-major (sequence, head) pairs).
+  // (group * per_unit), a whole group (by_group.divisor is the group, >= 1), the last group when
+  // it is smaller, and the heads a unit index runs over (work's units are sequence-major
+  // (sequence, head) pairs).
   FastDiv by_span, by_group, by_last, by_heads;
 
   LaunchOrder() = default;
-  // Grid positions, and so units and per_unit, stay below 2^31 (a grid's limit), as FastDiv needs.
-  JF_HOST_DEVICE LaunchOrder(int64_t units_, int64_t per_unit_, int64_t group_, int64_t heads = 1)
-      : units(units_),
-        per_unit(per_unit_),
-        group(group_ > 1 ? group_ : 1),
-        by_span(group * per_unit),
-        by_group(group),
-        by_last(units % group != 0 ? units % group : group),
-        by_heads(heads) {}
+  // Grid positions, and so units and per_unit, stay below 2^31 (a grid's limit), as FastDiv needs;
+  // a group below 1 is taken as 1.
+  JF_HOST_DEVICE LaunchOrder(int64_t units_, int64_t per_unit_, int64_t group, int64_t heads = 1)
+      : LaunchOrder(units_, per_unit_, FastDiv(group), FastDiv(heads)) {}
 
   JF_HOST_DEVICE int64_t ctas() const { return units * per_unit; }
 
@@ -312,6 +299,15 @@ struct LaunchOrder {
 #endif
     return {head, {layout.span(seq), index}};
   }
+
+ private:
+  JF_HOST_DEVICE LaunchOrder(int64_t units_, int64_t per_unit_, FastDiv group, FastDiv heads)
+      : units(units_),
+        per_unit(per_unit_),
+        by_span(int64_t{group.divisor} * per_unit_),
+        by_group(group),
+        by_last(units_ % group.divisor != 0 ? units_ % group.divisor : group.divisor),
+        by_heads(heads) {}
 };
 
 // The launch order of `units` units of per_unit tiles each, for a call with this layout and mask,
