@@ -90,14 +90,20 @@ class Aux(NamedTuple):
     cu_seqlens_k: jax.Array | None = None
 
 
-def _segment_ranges(ids: jax.Array) -> jax.Array:
-    """[..., S] int32 -> [..., ceil(S / SEGMENT_CHUNK), 2]: (min, max) per chunk of positions.
-    The last chunk is padded with its last id, which widens no range."""
+def _segment_ranges(ids: jax.Array, *, suffix_reach: bool) -> jax.Array:
+    """[..., S] int32 -> [..., ceil(S / SEGMENT_CHUNK), 4], one record per chunk of positions
+    (common/mask.h kSegmentRecord): the chunk's (min, max) id, then its reach, the (min, max)
+    over every chunk at or after it (suffix_reach: query ids) or at or before it (key ids). The
+    last chunk is padded with its last id, which widens no range."""
     pad = -ids.shape[-1] % SEGMENT_CHUNK
     if pad:
         ids = jnp.concatenate([ids, jnp.repeat(ids[..., -1:], pad, axis=-1)], axis=-1)
     chunks = ids.reshape(*ids.shape[:-1], -1, SEGMENT_CHUNK)
-    return jnp.stack([chunks.min(axis=-1), chunks.max(axis=-1)], axis=-1)
+    lo, hi = chunks.min(axis=-1), chunks.max(axis=-1)
+    axis = lo.ndim - 1
+    reach_lo = jax.lax.cummin(lo, axis=axis, reverse=suffix_reach)
+    reach_hi = jax.lax.cummax(hi, axis=axis, reverse=suffix_reach)
+    return jnp.stack([lo, hi, reach_lo, reach_hi], axis=-1)
 
 
 def _extras(aux: Aux, dtype) -> tuple[jax.Array, ...]:
@@ -114,8 +120,8 @@ def _extras(aux: Aux, dtype) -> tuple[jax.Array, ...]:
         segments = (
             aux.q_segment_ids,
             aux.kv_segment_ids,
-            _segment_ranges(aux.q_segment_ids),
-            _segment_ranges(aux.kv_segment_ids),
+            _segment_ranges(aux.q_segment_ids, suffix_reach=True),
+            _segment_ranges(aux.kv_segment_ids, suffix_reach=False),
         )
     return (
         *segments,

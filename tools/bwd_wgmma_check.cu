@@ -70,7 +70,9 @@ struct Case {
   int left = -1, right = -1;      // window bounds, -1 unbounded; causal is right = 0
   float softcap = 0.f;            // 0: none
   bool sinks = false;
-  int segments = 0;  // dense: 0 none, 1 the same ids for q and kv, 2 different
+  // dense: 0 none, 1 the same ids for q and kv, 2 different, 3 the same with ids 0, 1, 2
+  // cycling over the runs (an id recurs after others: no walk may end at a document's edge)
+  int segments = 0;
   std::vector<int> runs = {37, 1, 100, 64, 9};  // segment lengths, cycled
   int poison = -1;         // sequence (packed) or batch element (dense) filled with NaN
   bool malformed = false;  // cu_seqlens out of order: only finiteness is checked
@@ -289,22 +291,12 @@ std::vector<int> segment_ids(int len, const std::vector<int>& runs, int id_step)
   return ids;
 }
 
-// (min, max) of the ids per kSegmentChunk positions of each batch row: [batch, chunks, 2].
-std::vector<int> segment_ranges(const std::vector<int>& ids, int batch, int len) {
-  const int chunks = (len + jax_flash::kSegmentChunk - 1) / jax_flash::kSegmentChunk;
-  std::vector<int> out(static_cast<size_t>(batch) * chunks * 2);
-  for (int b = 0; b < batch; ++b) {
-    for (int c = 0; c < chunks; ++c) {
-      int lo = INT32_MAX, hi = INT32_MIN;
-      for (int i = c * jax_flash::kSegmentChunk;
-           i < std::min(len, (c + 1) * jax_flash::kSegmentChunk); ++i) {
-        lo = std::min(lo, ids[static_cast<size_t>(b) * len + i]);
-        hi = std::max(hi, ids[static_cast<size_t>(b) * len + i]);
-      }
-      out[(static_cast<size_t>(b) * chunks + c) * 2] = lo;
-      out[(static_cast<size_t>(b) * chunks + c) * 2 + 1] = hi;
-    }
-  }
+// The chunk records of each batch row, as the FFI's caller passes them (common/mask.h).
+std::vector<int> segment_ranges(const std::vector<int>& ids, int batch, int len,
+                                bool suffix_reach) {
+  std::vector<int> out(static_cast<size_t>(batch) * jax_flash::segment_chunks(len) *
+                       jax_flash::kSegmentRecord);
+  jax_flash::build_segment_records(ids.data(), batch, len, suffix_reach, out.data());
   return out;
 }
 
@@ -397,16 +389,20 @@ Run make_run(const Case& c, uint64_t seed) {
   if (c.segments != 0) {
     std::vector<int> qi, ki;
     for (int b = 0; b < c.batch; ++b) {
-      const std::vector<int> a = segment_ids(c.sq, c.runs, 1);
-      const std::vector<int> bb =
-          c.segments == 1 ? segment_ids(c.sk, c.runs, 1) : segment_ids(c.sk, {50, 20, 130}, 2);
+      std::vector<int> a = segment_ids(c.sq, c.runs, 1);
+      std::vector<int> bb =
+          c.segments == 2 ? segment_ids(c.sk, {50, 20, 130}, 2) : segment_ids(c.sk, c.runs, 1);
+      if (c.segments == 3) {
+        for (int& x : a) x %= 3;
+        for (int& x : bb) x %= 3;
+      }
       qi.insert(qi.end(), a.begin(), a.end());
       ki.insert(ki.end(), bb.begin(), bb.end());
     }
     run.q_ids = to_device(qi);
     run.kv_ids = to_device(ki);
-    run.q_ranges = to_device(segment_ranges(qi, c.batch, c.sq));
-    run.kv_ranges = to_device(segment_ranges(ki, c.batch, c.sk));
+    run.q_ranges = to_device(segment_ranges(qi, c.batch, c.sq, true));
+    run.kv_ranges = to_device(segment_ranges(ki, c.batch, c.sk, false));
   }
   return run;
 }
@@ -990,6 +986,20 @@ int main(int argc, char** argv) {
     g.segments = 2;
     g.poison = 1;
     check(g);
+    // Rows longer than 32 query tiles: a key tile's walk ends at its document's last query tile
+    // (growing ids), or must not (ids that recur), also under GQA and a window.
+    Case h = dense(1, 5000, 5000, 4, 2, 128, -1, 0);
+    h.segments = 1;
+    h.runs = {1500, 700, 2100, 300};
+    check(h);
+    h.segments = 3;
+    check(h);
+    h.right = -1;
+    check(h);
+    Case k = dense(1, 4500, 4500, 2, 2, 64, 2500, 0);
+    k.segments = 1;
+    k.runs = {2300, 90, 1200};
+    check(k);
   }
   // Dense isolation: a NaN batch element must not reach the others.
   {

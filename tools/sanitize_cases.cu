@@ -141,21 +141,10 @@ std::vector<int32_t> segment_ids(int64_t batch, int64_t seqlen) {
   return ids;
 }
 
-std::vector<int32_t> segment_ranges(const std::vector<int32_t>& ids, int64_t batch,
-                                    int64_t seqlen) {
-  constexpr int64_t kChunk = jax_flash::kSegmentChunk;
-  const int64_t chunks = (seqlen + kChunk - 1) / kChunk;
-  std::vector<int32_t> out(batch * chunks * 2);
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t c = 0; c < chunks; ++c) {
-      int32_t lo = INT32_MAX, hi = INT32_MIN;
-      for (int64_t i = c * kChunk; i < std::min(seqlen, (c + 1) * kChunk); ++i) {
-        lo = std::min(lo, ids[b * seqlen + i]);
-        hi = std::max(hi, ids[b * seqlen + i]);
-      }
-      out[(b * chunks + c) * 2] = lo;
-      out[(b * chunks + c) * 2 + 1] = hi;
-    }
+std::vector<int32_t> segment_ranges(const std::vector<int32_t>& ids, int64_t batch, int64_t seqlen,
+                                    bool suffix_reach) {
+  std::vector<int32_t> out(batch * jax_flash::segment_chunks(seqlen) * jax_flash::kSegmentRecord);
+  jax_flash::build_segment_records(ids.data(), batch, seqlen, suffix_reach, out.data());
   return out;
 }
 
@@ -215,8 +204,9 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     const auto kv_ids = segment_ids(c.batch, c.seqlen_k);
     mask.segments.q_ids = device_array(q_ids, owned);
     mask.segments.kv_ids = device_array(kv_ids, owned);
-    mask.segments.q_ranges = device_array(segment_ranges(q_ids, c.batch, c.seqlen_q), owned);
-    mask.segments.kv_ranges = device_array(segment_ranges(kv_ids, c.batch, c.seqlen_k), owned);
+    mask.segments.q_ranges = device_array(segment_ranges(q_ids, c.batch, c.seqlen_q, true), owned);
+    mask.segments.kv_ranges =
+        device_array(segment_ranges(kv_ids, c.batch, c.seqlen_k, false), owned);
   }
 
   std::vector<double> dout_host = random(q_elems);

@@ -51,10 +51,12 @@
 
 namespace {
 
+using jax_flash::build_segment_records;
 using jax_flash::DType;
 using jax_flash::FwdParams;
-using jax_flash::kSegmentChunk;
+using jax_flash::kSegmentRecord;
 using jax_flash::kUnbounded;
+using jax_flash::segment_chunks;
 
 __host__ __device__ uint64_t splitmix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
@@ -225,6 +227,7 @@ enum class Segments {
   kRuns,       // runs of 1..max_run positions, the same pattern for queries and keys
   kRunsApart,  // independent run patterns for queries and keys (ids grow with the position)
   kStripes,    // ids 0, 1, 2 repeating every 3 positions: nothing can be skipped
+  kRecurring,  // kRuns with ids 0, 1, 2 cycling over the runs: an id recurs after others
 };
 
 struct Case {
@@ -281,7 +284,7 @@ std::string describe(const Case& c) {
   if (c.softcap > 0.f) s += " softcap=" + std::to_string(static_cast<int>(c.softcap));
   if (c.sinks) s += " sinks";
   if (c.segments != Segments::kNone) {
-    static const char* const names[] = {"", "runs", "runs-apart", "stripes"};
+    static const char* const names[] = {"", "runs", "runs-apart", "stripes", "recurring"};
     s += std::string(" seg=") + names[static_cast<int>(c.segments)];
   }
   if (c.poison >= 0) s += " poison=" + std::to_string(c.poison);
@@ -299,7 +302,7 @@ std::vector<int32_t> segment_ids(int n, Segments kind, int max_run, uint64_t see
   for (int i = 0; i < n;) {
     seed = splitmix64(seed);
     const int run = 1 + static_cast<int>(seed % static_cast<uint64_t>(max_run));
-    for (int j = 0; j < run && i < n; ++j, ++i) ids[i] = id;
+    for (int j = 0; j < run && i < n; ++j, ++i) ids[i] = kind == Segments::kRecurring ? id % 3 : id;
     ++id;
   }
   return ids;
@@ -316,22 +319,11 @@ std::vector<int32_t> document_ids(int n, const std::vector<int>& lens) {
   return ids;
 }
 
-// (min, max) per kSegmentChunk positions of each batch row, as the FFI's caller passes them.
-std::vector<int32_t> chunk_ranges(const std::vector<int32_t>& ids, int batch, int n) {
-  const int chunks = (n + kSegmentChunk - 1) / kSegmentChunk;
-  std::vector<int32_t> r(static_cast<size_t>(batch) * chunks * 2);
-  for (int b = 0; b < batch; ++b) {
-    for (int c = 0; c < chunks; ++c) {
-      int32_t lo = ids[static_cast<size_t>(b) * n + c * kSegmentChunk];
-      int32_t hi = lo;
-      for (int p = c * kSegmentChunk; p < std::min(n, (c + 1) * kSegmentChunk); ++p) {
-        lo = std::min(lo, ids[static_cast<size_t>(b) * n + p]);
-        hi = std::max(hi, ids[static_cast<size_t>(b) * n + p]);
-      }
-      r[(static_cast<size_t>(b) * chunks + c) * 2] = lo;
-      r[(static_cast<size_t>(b) * chunks + c) * 2 + 1] = hi;
-    }
-  }
+// The chunk records of each batch row, as the FFI's caller passes them (common/mask.h).
+std::vector<int32_t> chunk_ranges(const std::vector<int32_t>& ids, int batch, int n,
+                                  bool suffix_reach) {
+  std::vector<int32_t> r(static_cast<size_t>(batch) * segment_chunks(n) * kSegmentRecord);
+  build_segment_records(ids.data(), batch, n, suffix_reach, r.data());
   return r;
 }
 
@@ -476,7 +468,7 @@ void build(Problem& pb, const Case& c, uint64_t seed) {
       std::vector<int32_t> ki;
       if (c.segments == Segments::kRunsApart) {
         ki = segment_ids(c.seqlen_k, c.segments, c.max_run / 2 + 1, s + 1000);
-      } else if (c.segments == Segments::kRuns) {
+      } else if (c.segments == Segments::kRuns || c.segments == Segments::kRecurring) {
         ki.resize(c.seqlen_k);
         for (int j = 0; j < c.seqlen_k; ++j) {
           ki[j] = c.seqlen_q > 0 ? qi[static_cast<int64_t>(j) * c.seqlen_q / c.seqlen_k] : 0;
@@ -489,8 +481,8 @@ void build(Problem& pb, const Case& c, uint64_t seed) {
     }
     m.segments.q_ids = pb.buf.upload(q_ids);
     m.segments.kv_ids = pb.buf.upload(kv_ids);
-    m.segments.q_ranges = pb.buf.upload(chunk_ranges(q_ids, c.batch, c.seqlen_q));
-    m.segments.kv_ranges = pb.buf.upload(chunk_ranges(kv_ids, c.batch, c.seqlen_k));
+    m.segments.q_ranges = pb.buf.upload(chunk_ranges(q_ids, c.batch, c.seqlen_q, true));
+    m.segments.kv_ranges = pb.buf.upload(chunk_ranges(kv_ids, c.batch, c.seqlen_k, false));
     pb.q_ids = std::move(q_ids);
     pb.kv_ids = std::move(kv_ids);
   }
@@ -834,6 +826,23 @@ void feature_cases(std::vector<Case>& out, DType dt, int hd, bool quick) {
   add(with(dense(dt, hd, 9000, 9000, 1, inf, 0), [](Case& c) {
     c.segments = Segments::kRuns;
     c.max_run = 250;
+    c.heads_q = 2;
+  }));
+  // Long documents (walks that end at a document's start, more than 32 blocks below the
+  // diagonal) and ids that recur after others (walks that must go on past such a start).
+  add(with(dense(dt, hd, 9000, 9000, 1, inf, 0), [](Case& c) {
+    c.segments = Segments::kRuns;
+    c.max_run = 5000;
+    c.heads_q = 2;
+  }));
+  add(with(dense(dt, hd, 9000, 9000, 1, inf, inf), [](Case& c) {
+    c.segments = Segments::kRecurring;
+    c.max_run = 3000;
+    c.heads_q = 2;
+  }));
+  add(with(dense(dt, hd, 9000, 9000, 1, inf, 0), [](Case& c) {
+    c.segments = Segments::kRecurring;
+    c.max_run = 3000;
     c.heads_q = 2;
   }));
   // Packed batches.

@@ -32,6 +32,15 @@ inline constexpr int64_t kMaxBandShift = int64_t{1} << 31;
 // from a few loads, whatever its tile size. Every kernel tile size is a multiple of it.
 inline constexpr int kSegmentChunk = 16;
 
+// Each chunk's summary is a record of kSegmentRecord ints: the (min, max) of its own ids, then its
+// reach, the (min, max) of the ids of every chunk that a tile walk still has ahead once it gets
+// there. Walks go one way per axis: a query tile walks its key blocks downwards (forward), a key
+// tile its query tiles upwards (backward). So a key chunk's reach covers chunks 0 .. c (a prefix)
+// and a query chunk's covers c .. the row's last (a suffix). A walk whose tile's ids are disjoint
+// from the reach at its next candidate can stop there: in a packed row of documents it ends at
+// the document's edge instead of the row's.
+inline constexpr int kSegmentRecord = 4;
+
 JF_HOST_DEVICE int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
   return x < lo ? lo : (x > hi ? hi : x);
 }
@@ -145,15 +154,25 @@ struct Band {
   }
 };
 
-// Segment masking (dense batches only). ranges hold (min, max) per kSegmentChunk positions.
+// Segment masking (dense batches only). ranges hold one record (kSegmentRecord ints) per
+// kSegmentChunk positions: q_ranges with suffix reaches, kv_ranges with prefix reaches.
 struct SegmentIds {
   const int32_t* q_ids = nullptr;      // [batch, seqlen_q]
   const int32_t* kv_ids = nullptr;     // [batch, seqlen_k]
-  const int32_t* q_ranges = nullptr;   // [batch, ceil(seqlen_q / kSegmentChunk), 2]
-  const int32_t* kv_ranges = nullptr;  // [batch, ceil(seqlen_k / kSegmentChunk), 2]
+  const int32_t* q_ranges = nullptr;   // [batch, ceil(seqlen_q / kSegmentChunk), kSegmentRecord]
+  const int32_t* kv_ranges = nullptr;  // [batch, ceil(seqlen_k / kSegmentChunk), kSegmentRecord]
 
   JF_HOST_DEVICE bool enabled() const { return q_ids != nullptr; }
 };
+
+JF_HOST_DEVICE int64_t segment_chunks(int64_t seqlen) {
+  return (seqlen + kSegmentChunk - 1) / kSegmentChunk;
+}
+
+// The records of batch row `batch` of a [batch, seqlen] id array.
+JF_HOST_DEVICE const int32_t* segment_row(const int32_t* ranges, int64_t batch, int64_t seqlen) {
+  return ranges + batch * segment_chunks(seqlen) * kSegmentRecord;
+}
 
 // (min, max) of segment ids over positions [p0, p1) of one batch row, from its chunk ranges.
 // `ranges` points at the row's first chunk; p0 and p1 are clamped to the row by the caller.
@@ -171,8 +190,8 @@ struct IdRange {
 JF_HOST_DEVICE IdRange id_range(const int32_t* ranges, int64_t p0, int64_t p1) {
   IdRange r{2147483647, -2147483647 - 1};
   for (int64_t c = p0 / kSegmentChunk; c * kSegmentChunk < p1; ++c) {
-    const int32_t lo = ranges[2 * c];
-    const int32_t hi = ranges[2 * c + 1];
+    const int32_t lo = ranges[kSegmentRecord * c];
+    const int32_t hi = ranges[kSegmentRecord * c + 1];
     r.lo = lo < r.lo ? lo : r.lo;
     r.hi = hi > r.hi ? hi : r.hi;
   }
@@ -190,13 +209,13 @@ JF_HOST_DEVICE IdRange id_range_fixed(const int32_t* ranges, int64_t p0, int64_t
   for (int i = 0; i < kChunks; ++i) {
     const bool in = (c0 + i) * kSegmentChunk < p1;
 #if defined(__CUDA_ARCH__)
-    const int2 v = in ? *reinterpret_cast<const int2*>(ranges + 2 * (c0 + i))
+    const int2 v = in ? *reinterpret_cast<const int2*>(ranges + kSegmentRecord * (c0 + i))
                       : make_int2(2147483647, -2147483647 - 1);
     lo[i] = v.x;
     hi[i] = v.y;
 #else
-    lo[i] = in ? ranges[2 * (c0 + i)] : 2147483647;
-    hi[i] = in ? ranges[2 * (c0 + i) + 1] : -2147483647 - 1;
+    lo[i] = in ? ranges[kSegmentRecord * (c0 + i)] : 2147483647;
+    hi[i] = in ? ranges[kSegmentRecord * (c0 + i) + 1] : -2147483647 - 1;
 #endif
   }
   IdRange r{lo[0], hi[0]};
@@ -206,6 +225,49 @@ JF_HOST_DEVICE IdRange id_range_fixed(const int32_t* ranges, int64_t p0, int64_t
     r.hi = hi[i] > r.hi ? hi[i] : r.hi;
   }
   return r;
+}
+
+// The reach of chunk `chunk` of a row's records (see kSegmentRecord): for key records every id at
+// or before the chunk, for query records every id at or after it. One 8-byte load on the device.
+JF_HOST_DEVICE IdRange id_reach(const int32_t* ranges, int64_t chunk) {
+#if defined(__CUDA_ARCH__)
+  const int2 v = *reinterpret_cast<const int2*>(ranges + kSegmentRecord * chunk + 2);
+  return {v.x, v.y};
+#else
+  return {ranges[kSegmentRecord * chunk + 2], ranges[kSegmentRecord * chunk + 3]};
+#endif
+}
+
+// Builds the records of a [batch, seqlen] id array on the host (the drivers and native checks;
+// jax_flash/_kernel.py builds the same in XLA): prefix reaches for keys, suffix reaches for
+// queries. `out` holds batch * segment_chunks(seqlen) * kSegmentRecord ints.
+inline void build_segment_records(const int32_t* ids, int64_t batch, int64_t seqlen,
+                                  bool suffix_reach, int32_t* out) {
+  const int64_t chunks = segment_chunks(seqlen);
+  for (int64_t b = 0; b < batch; ++b) {
+    int32_t* const row = out + b * chunks * kSegmentRecord;
+    for (int64_t c = 0; c < chunks; ++c) {
+      int32_t lo = 2147483647, hi = -2147483647 - 1;
+      for (int64_t p = c * kSegmentChunk; p < (c + 1) * kSegmentChunk && p < seqlen; ++p) {
+        const int32_t id = ids[b * seqlen + p];
+        lo = id < lo ? id : lo;
+        hi = id > hi ? id : hi;
+      }
+      row[kSegmentRecord * c] = lo;
+      row[kSegmentRecord * c + 1] = hi;
+    }
+    for (int64_t i = 0; i < chunks; ++i) {
+      const int64_t c = suffix_reach ? chunks - 1 - i : i;
+      const int64_t prev = suffix_reach ? c + 1 : c - 1;
+      int32_t lo = row[kSegmentRecord * c], hi = row[kSegmentRecord * c + 1];
+      if (i > 0) {
+        lo = row[kSegmentRecord * prev + 2] < lo ? row[kSegmentRecord * prev + 2] : lo;
+        hi = row[kSegmentRecord * prev + 3] > hi ? row[kSegmentRecord * prev + 3] : hi;
+      }
+      row[kSegmentRecord * c + 2] = lo;
+      row[kSegmentRecord * c + 3] = hi;
+    }
+  }
 }
 
 // Everything about which scores exist and what they are, besides the sizes: the band, segment

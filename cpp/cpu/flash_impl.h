@@ -326,8 +326,8 @@ struct SpanGroup {
       const SegmentIds& s = mask.segments;
       q_ids = s.q_ids + span.batch * layout.seqlen_q;
       kv_ids = s.kv_ids + span.batch * layout.seqlen_k;
-      q_ranges = s.q_ranges + span.batch * CeilDiv(layout.seqlen_q, kSegmentChunk) * 2;
-      kv_ranges = s.kv_ranges + span.batch * CeilDiv(layout.seqlen_k, kSegmentChunk) * 2;
+      q_ranges = segment_row(s.q_ranges, span.batch, layout.seqlen_q);
+      kv_ranges = segment_row(s.kv_ranges, span.batch, layout.seqlen_k);
     }
   }
 

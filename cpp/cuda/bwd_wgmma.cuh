@@ -308,9 +308,8 @@ JF_HOST_DEVICE BwdCtaTile bwd_cta_tile(const BwdWgmmaArgs& args, const Band& ban
     ct.num_m = static_cast<int>((r1 + kBlockM - 1) / kBlockM - r0 / kBlockM);
   }
   if (segments) {
-    const int64_t chunks = (args.seg_stride_k + kSegmentChunk - 1) / kSegmentChunk;
     ct.kv_range = id_range_fixed<kBlockN / kSegmentChunk>(
-        args.segments.kv_ranges + st.span.batch * chunks * 2, n0, n1);
+        segment_row(args.segments.kv_ranges, st.span.batch, args.seg_stride_k), n0, n1);
   }
   return ct;
 }
@@ -924,10 +923,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // The pairs of each query head, in query-tile order. Each lane decides one of 32
     // consecutive query tiles and a ballot gathers the visited ones, so a key tile that shares
     // its segment with few query tiles (one document of a packed row) pays one round of
-    // chunk-range loads per 32 tiles it skips, not one per tile.
-    const int64_t q_chunks = (args.seg_stride_q + kSegmentChunk - 1) / kSegmentChunk;
+    // chunk-range loads per 32 tiles it skips, not one per tile; and a head's walk ends at the
+    // first tile whose suffix reach (every query id from it to the row's end) shares no id with
+    // the key tile, not at the row's end.
     const int32_t* const q_ranges =
-        segments ? args.segments.q_ranges + ct.span.batch * q_chunks * 2 : nullptr;
+        segments ? segment_row(args.segments.q_ranges, ct.span.batch, args.seg_stride_q) : nullptr;
     for (int it = 0; it < n_iters;) {
       const int head = ct.head_kv * args.group + it / ct.num_m;
       // This round: query tiles [window, window + count) of the head (never the next head's).
@@ -935,16 +935,22 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const int count = min(32, ct.num_m - window);
       it += count;
       int lane_flags = -1;
+      bool none_ahead = false;
       if (lane < count) {
-        lane_flags = bwd_pair<kBlockM, kBlockN>(ct, (ct.m_first + window + lane) * kBlockM,
-                                                segments, q_ranges, varlen)
-                         .flags;
+        const int m0 = (ct.m_first + window + lane) * kBlockM;
+        lane_flags = bwd_pair<kBlockM, kBlockN>(ct, m0, segments, q_ranges, varlen).flags;
         // The deterministic order needs every pair of the band: one whose ids are disjoint is
         // computed fully masked (it adds zeros) instead of skipped.
         if (lane_flags < 0 && args.dq_semaphores != nullptr) {
           lane_flags = kPairMasked | kPairSegments;
         }
+        // No query from this tile to the row's end holds an id of the key tile (the suffix
+        // reach): the head's remaining tiles are all skipped, so its walk ends here.
+        none_ahead = segments && args.dq_semaphores == nullptr &&
+                     ct.kv_range.disjoint(id_reach(q_ranges, m0 / kSegmentChunk));
       }
+      // (it - 1 is still in this head: the next head starts at the next multiple of num_m.)
+      if (__ballot_sync(0xffffffffu, none_ahead) != 0) it = ((it - 1) / ct.num_m + 1) * ct.num_m;
       uint32_t visit = __ballot_sync(0xffffffffu, lane_flags >= 0);
       while (visit != 0) {
         const int k = __ffs(static_cast<int>(visit)) - 1;

@@ -381,6 +381,8 @@ inline constexpr int kBarEpilogueBase = 4;  // + consumer warpgroup: its own 128
 // producer warp and every consumer warp walk the same sequence from the same inputs, so they agree
 // on stages, barrier phases and ping-pong turns without exchanging anything.
 struct KeyWalk {
+  // The lowest block left to consider: the band's first block; with segment ids raised to the
+  // lowest block whose prefix reach (every id at or below it) still meets the tile's ids.
   int first;
   // Without segment ids: the block returned last. With them: the block of bit 0 of the window of
   // 32 candidate blocks top, top - 1, .., top - 31 evaluated last.
@@ -403,11 +405,14 @@ __device__ __forceinline__ KeyWalk key_walk(int first, int last) {
   return {first, kSegments ? last - 1 + 32 : last, 0u, 0u};
 }
 
-// The next block of the walk, or a value below `first` once it is done. With segment ids every
-// lane of the warp must call it together: one ballot decides 32 candidate blocks at once, so a
-// tile that skips many blocks (one document among many) pays one round of chunk-range loads per 32
-// blocks, not per block. kMixed also records, per visited block, whether the caller's rows and the
-// block hold anything but one and the same id (then `mixed` is set and elements are masked).
+// The next block of the walk, or a value below the band's first block once it is done (-1 with
+// segment ids, whose walk raises `first`). With segment ids every lane of the warp must call it
+// together: one ballot decides 32 candidate blocks at once, so a tile that skips many blocks (one
+// document among many) pays one round of chunk-range loads per 32 blocks, not per block, and the
+// walk ends at the first block whose prefix reach shares no id with the tile (in a row of packed
+// documents, the start of the tile's first document). kMixed also records, per visited block,
+// whether the caller's rows and the block hold anything but one and the same id (then `mixed` is
+// set and elements are masked).
 template <int kBlockN, bool kSegments, bool kMixed>
 __device__ __forceinline__ int next_key_block(KeyWalk& w, const SegmentWalk& seg, bool& mixed) {
   mixed = false;
@@ -417,17 +422,24 @@ __device__ __forceinline__ int next_key_block(KeyWalk& w, const SegmentWalk& seg
     const int lane = static_cast<int>(threadIdx.x) % 32;
     while (w.visit == 0) {
       w.top -= 32;
-      if (w.top < w.first) return w.first - 1;
+      if (w.top < w.first) return -1;
       const int cand = w.top - lane;
       bool visit = false;
       bool cand_mixed = false;
+      bool below_none = false;
       if (cand >= w.first) {
         const int64_t c0 = static_cast<int64_t>(cand) * kBlockN;
         const int64_t c1 = c0 + kBlockN < seg.len_k ? c0 + kBlockN : seg.len_k;
         const IdRange kv = id_range_fixed<kBlockN / kSegmentChunk>(seg.kv_ranges, c0, c1);
+        below_none = seg.q_tile.disjoint(id_reach(seg.kv_ranges, (c1 - 1) / kSegmentChunk));
         visit = !seg.q_tile.disjoint(kv);
         cand_mixed = !seg.q_rows.same_single(kv);
       }
+      // The reach only shrinks downwards, so the lanes that see no id ahead are the lanes from
+      // the lowest such one up: blocks top - k and below are done with (their own ranges are
+      // disjoint too, so none of them is in `visit`).
+      const uint32_t done = __ballot_sync(0xffffffffu, below_none);
+      if (done != 0) w.first = w.top - (__ffs(static_cast<int>(done)) - 1) + 1;
       w.visit = __ballot_sync(0xffffffffu, visit);
       if constexpr (kMixed) w.mixed = __ballot_sync(0xffffffffu, visit && cand_mixed);
     }
@@ -678,10 +690,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int32_t* kv_ranges = nullptr;
   IdRange q_tile_ids{0, 0};
   if constexpr (kSegments) {
-    const int64_t q_chunks = (layout.seqlen_q + kSegmentChunk - 1) / kSegmentChunk;
-    const int64_t k_chunks = (layout.seqlen_k + kSegmentChunk - 1) / kSegmentChunk;
-    q_ranges = args.segments.q_ranges + span.batch * q_chunks * 2;
-    kv_ranges = args.segments.kv_ranges + span.batch * k_chunks * 2;
+    q_ranges = segment_row(args.segments.q_ranges, span.batch, layout.seqlen_q);
+    kv_ranges = segment_row(args.segments.kv_ranges, span.batch, layout.seqlen_k);
     // Read here, where every thread still has registers to spare: the producer's are few.
     q_tile_ids = id_range_fixed<kBlockM / kSegmentChunk>(q_ranges, m0, m1);
   }
@@ -725,23 +735,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const bool leader = lane == 0;
       SegmentWalk seg{};
       if constexpr (kSegments) seg = {kv_ranges, q_tile_ids, {}, len_k};
+      // Q is loaded whenever the band leaves the tile a key block, before the segment walk's
+      // first round of loads decides which block that is: Q's latency then overlaps it.
+      const bool band_keys = first_block < last_block;
+      if (leader && band_keys) {
+        prefetch_tensormap(&tm_q);
+        prefetch_tensormap(&tm_k);
+        prefetch_tensormap(&tm_v);
+        mbar_arrive_expect_tx(bar_q, Tr::kQBytes);
+#pragma unroll
+        for (int p = 0; p < Tr::kPanels; ++p) {
+          tma_load_4d(q_smem + p * Tr::kQPanelBytes, &tm_q, bar_q, p * Tr::kPanelCols, head, q_row0,
+                      map_batch);
+        }
+      }
       KeyWalk walk = key_walk<kSegments>(first_block, last_block);
       bool unused;
       int nb = next_key_block<kBlockN, kSegments, false>(walk, seg, unused);
-      // A tile whose rows see no key is all zeros / -inf (or the sink): nothing to load.
+      // A tile whose rows see no key is all zeros / -inf (or the sink): nothing to load. (With
+      // segment ids Q may be on its way all the same; the consumers wait for it, see there.)
       if (nb >= first_block) {
         const int kv_head = head / args.group;
-        if (leader) {
-          prefetch_tensormap(&tm_q);
-          prefetch_tensormap(&tm_k);
-          prefetch_tensormap(&tm_v);
-          mbar_arrive_expect_tx(bar_q, Tr::kQBytes);
-#pragma unroll
-          for (int p = 0; p < Tr::kPanels; ++p) {
-            tma_load_4d(q_smem + p * Tr::kQPanelBytes, &tm_q, bar_q, p * Tr::kPanelCols, head,
-                        q_row0, map_batch);
-          }
-        }
         // In a packed call the rows of the block that straddles the sequence's end belong to the
         // next sequence. Its K columns are masked by select, but P = 0 times a NaN in V is still
         // NaN, so its V tile lands on bar_v_tail instead; once the next K load is under way the
@@ -844,6 +858,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     KeyWalk walk = key_walk<kSegments>(first_block, last_block);
     bool mixed;
     int nb = next_key_block<kBlockN, kSegments, true>(walk, seg, mixed);
+    // The producer loads Q before its walk has found a block, so with segment ids a tile that
+    // visits none may still have Q in flight: it must land before the epilogue stages O in its
+    // place and before the CTA's shared memory is released.
+    if (kSegments && nb < first_block && first_block < last_block) mbar_wait(bar_q, 0);
 
     if (nb >= first_block) {
       float s[kBlockN / 2];

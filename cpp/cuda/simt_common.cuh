@@ -214,12 +214,10 @@ struct SeqSegments {
 __device__ __forceinline__ SeqSegments seq_segments(const SegmentIds& ids, const SeqSpan& span) {
   SeqSegments s;
   if (!ids.enabled()) return s;
-  const int64_t q_chunks = (span.len_q + kSegmentChunk - 1) / kSegmentChunk;
-  const int64_t k_chunks = (span.len_k + kSegmentChunk - 1) / kSegmentChunk;
   s.q_ids = ids.q_ids + span.batch * span.len_q;
   s.kv_ids = ids.kv_ids + span.batch * span.len_k;
-  s.q_ranges = ids.q_ranges + span.batch * q_chunks * 2;
-  s.kv_ranges = ids.kv_ranges + span.batch * k_chunks * 2;
+  s.q_ranges = segment_row(ids.q_ranges, span.batch, span.len_q);
+  s.kv_ranges = segment_row(ids.kv_ranges, span.batch, span.len_k);
   return s;
 }
 

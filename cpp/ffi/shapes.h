@@ -207,8 +207,6 @@ inline ffi::ErrorOr<ffi::AnyBuffer> extra(const ffi::RemainingArgs& extras, Extr
   return *b;
 }
 
-inline int64_t chunks(int64_t n) { return (n + kSegmentChunk - 1) / kSegmentChunk; }
-
 // Fills params.mask and params.layout from the options and the optional inputs, checking every
 // buffer that is used.
 template <class P>
@@ -259,9 +257,10 @@ inline ffi::Error decode_mask(const ffi::RemainingArgs& extras, const Options& o
     for (ffi::Error e :
          {expect_buffer(*q_ids, ffi::DataType::S32, d.batch * d.seqlen_q, "q_segment_ids"),
           expect_buffer(*kv_ids, ffi::DataType::S32, d.batch * d.seqlen_k, "kv_segment_ids"),
-          expect_buffer(*q_rng, ffi::DataType::S32, d.batch * chunks(d.seqlen_q) * 2,
-                        "q_segment_ranges"),
-          expect_buffer(*kv_rng, ffi::DataType::S32, d.batch * chunks(d.seqlen_k) * 2,
+          expect_buffer(*q_rng, ffi::DataType::S32,
+                        d.batch * segment_chunks(d.seqlen_q) * kSegmentRecord, "q_segment_ranges"),
+          expect_buffer(*kv_rng, ffi::DataType::S32,
+                        d.batch * segment_chunks(d.seqlen_k) * kSegmentRecord,
                         "kv_segment_ranges")}) {
       if (e.failure()) return e;
     }

@@ -193,6 +193,48 @@ bool check_span_search() {
   return true;
 }
 
+// build_segment_records against the definition: each chunk's own (min, max) and its reach, every
+// id at or before the chunk (keys) or at or after it (queries), by brute force over positions.
+bool check_records(std::mt19937& rng) {
+  using jax_flash::kSegmentChunk;
+  using jax_flash::kSegmentRecord;
+  for (int positions : {1, 15, 16, 17, 200, 37 * kSegmentChunk + 5}) {
+    const int batch = 3;
+    const int chunks = static_cast<int>(jax_flash::segment_chunks(positions));
+    std::vector<int32_t> ids(static_cast<size_t>(batch * positions));
+    for (auto& x : ids) x = static_cast<int32_t>(rng() % 9) - 4;
+    for (bool suffix : {false, true}) {
+      std::vector<int32_t> rec(static_cast<size_t>(batch * chunks * kSegmentRecord));
+      jax_flash::build_segment_records(ids.data(), batch, positions, suffix, rec.data());
+      for (int b = 0; b < batch; ++b) {
+        const int32_t* row = jax_flash::segment_row(rec.data(), b, positions);
+        for (int c = 0; c < chunks; ++c) {
+          int32_t lo = INT32_MAX, hi = INT32_MIN, rlo = INT32_MAX, rhi = INT32_MIN;
+          for (int p = 0; p < positions; ++p) {
+            const int32_t id = ids[static_cast<size_t>(b * positions + p)];
+            if (p / kSegmentChunk == c) lo = std::min(lo, id), hi = std::max(hi, id);
+            if (suffix ? p / kSegmentChunk >= c : p / kSegmentChunk <= c) {
+              rlo = std::min(rlo, id);
+              rhi = std::max(rhi, id);
+            }
+          }
+          const jax_flash::IdRange reach = jax_flash::id_reach(row, c);
+          if (row[kSegmentRecord * c] != lo || row[kSegmentRecord * c + 1] != hi ||
+              reach.lo != rlo || reach.hi != rhi) {
+            std::printf(
+                "segment record %d of row %d (%d positions, %s): (%d, %d | %d, %d), "
+                "expected (%d, %d | %d, %d)\n",
+                c, b, positions, suffix ? "suffix" : "prefix", row[kSegmentRecord * c],
+                row[kSegmentRecord * c + 1], reach.lo, reach.hi, lo, hi, rlo, rhi);
+            return false;
+          }
+        }
+      }
+    }
+  }
+  return true;
+}
+
 template <int kChunks>
 bool check_ranges(std::mt19937& rng) {
   using jax_flash::kSegmentChunk;
@@ -200,16 +242,8 @@ bool check_ranges(std::mt19937& rng) {
   const int chunks = (positions + kSegmentChunk - 1) / kSegmentChunk;
   std::vector<int32_t> ids(static_cast<size_t>(positions));
   for (auto& x : ids) x = static_cast<int32_t>(rng() % 7) - 3;
-  std::vector<int32_t> ranges(static_cast<size_t>(2 * chunks));
-  for (int c = 0; c < chunks; ++c) {
-    int32_t lo = ids[static_cast<size_t>(c * kSegmentChunk)], hi = lo;
-    for (int p = c * kSegmentChunk; p < std::min(positions, (c + 1) * kSegmentChunk); ++p) {
-      lo = std::min(lo, ids[static_cast<size_t>(p)]);
-      hi = std::max(hi, ids[static_cast<size_t>(p)]);
-    }
-    ranges[static_cast<size_t>(2 * c)] = lo;
-    ranges[static_cast<size_t>(2 * c + 1)] = hi;
-  }
+  std::vector<int32_t> ranges(static_cast<size_t>(jax_flash::kSegmentRecord * chunks));
+  jax_flash::build_segment_records(ids.data(), 1, positions, false, ranges.data());
   for (int start = 0; start < chunks; ++start) {
     const int64_t p0 = int64_t{start} * kSegmentChunk;
     for (int64_t p1 = p0; p1 <= std::min<int64_t>(p0 + kChunks * kSegmentChunk, positions); ++p1) {
@@ -256,12 +290,13 @@ int main() {
   std::mt19937 rng(99);
   for (int trial = 0; trial < 20; ++trial) {
     if (!check_ranges<1>(rng) || !check_ranges<4>(rng) || !check_ranges<8>(rng) ||
-        !check_ranges<12>(rng)) {
+        !check_ranges<12>(rng) || !check_records(rng)) {
       return 1;
     }
   }
   std::printf(
-      "schedule: %lld launch orders, FastDiv, work, the span search and the chunk ranges check "
+      "schedule: %lld launch orders, FastDiv, work, the span search, the chunk ranges and their "
+      "reaches check "
       "out\n",
       static_cast<long long>(orders));
   return 0;
