@@ -822,29 +822,23 @@ void feature_cases(std::vector<Case>& out, DType dt, int hd, bool quick) {
     c.amp = 2.f;
     c.sinks = true;
   }));
-  // Many documents over long keys: whole 32-block windows of the key-block walk are skipped.
-  add(with(dense(dt, hd, 9000, 9000, 1, inf, 0), [](Case& c) {
-    c.segments = Segments::kRuns;
-    c.max_run = 250;
-    c.heads_q = 2;
-  }));
-  // Long documents (walks that end at a document's start, more than 32 blocks below the
-  // diagonal) and ids that recur after others (walks that must go on past such a start).
-  add(with(dense(dt, hd, 9000, 9000, 1, inf, 0), [](Case& c) {
-    c.segments = Segments::kRuns;
-    c.max_run = 5000;
-    c.heads_q = 2;
-  }));
-  add(with(dense(dt, hd, 9000, 9000, 1, inf, inf), [](Case& c) {
-    c.segments = Segments::kRecurring;
-    c.max_run = 3000;
-    c.heads_q = 2;
-  }));
-  add(with(dense(dt, hd, 9000, 9000, 1, inf, 0), [](Case& c) {
-    c.segments = Segments::kRecurring;
-    c.max_run = 3000;
-    c.heads_q = 2;
-  }));
+  // 9000-token rows: many short documents (whole 32-block windows of the key-block walk are
+  // skipped), long documents (walks that end at a document's start, more than 32 blocks below
+  // the diagonal) and ids that recur after others (walks that must go on past such a start).
+  struct LongRow {
+    int64_t right;
+    Segments kind;
+    int max_run;
+  };
+  for (const LongRow& r :
+       {LongRow{0, Segments::kRuns, 250}, LongRow{0, Segments::kRuns, 5000},
+        LongRow{inf, Segments::kRecurring, 3000}, LongRow{0, Segments::kRecurring, 3000}}) {
+    add(with(dense(dt, hd, 9000, 9000, 1, inf, r.right), [&](Case& c) {
+      c.segments = r.kind;
+      c.max_run = r.max_run;
+      c.heads_q = 2;
+    }));
+  }
   // Packed batches.
   add(packed(dt, hd, same, 37, 50, inf, inf));
   add(packed(dt, hd, same, 37, 50, inf, 0));
