@@ -366,6 +366,23 @@ def test_segment_ids_long_row(rng, head_dim, dtype):
     check_features(rng, q, k, v, segment_ids=ids, causal=True)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("recurring", [False, True], ids=["growing", "recurring"])
+def test_segment_ids_walks_past_32_tiles(rng, causal, recurring):
+    # 4500 tokens: a forward query tile walks up to 36 key blocks of 128 and a backward key tile
+    # up to 71 query tiles of 64, 32 per round. With growing ids the GPU walks stop at the
+    # document's edge (the chunk records' reaches); with ids that recur after other documents
+    # (0, 1, 0, 1) every document's keys are spread over the row and no walk may stop early.
+    ids = segments_from_lengths([1500, 700, 2000, 300])
+    if recurring:
+        ids = ids % 2
+    q, k, v = make_qkv(
+        rng, batch=1, seqlen_q=4500, seqlen_k=4500, heads_q=2, heads_kv=1, head_dim=64,
+        dtype=jnp.bfloat16,
+    )  # fmt: skip
+    check_features(rng, q, k, v, segment_ids=ids, causal=causal)
+
+
 # ----------------------------------------------------------------------------------------------
 # Skipped and unmasked tiles give what the masked path gives.
 
