@@ -146,8 +146,6 @@ struct BwdArgs {
   SeqLayout layout;
   Band band;            // read only by the kBand kernels
   SegmentIds segments;  // read only by the kSegments kernels (dense only)
-  int64_t q_id_chunks;  // segment_chunks(seqlen_q): chunk records per batch row
-  int64_t kv_id_chunks;
   // Sequence positions and head indices fit in int (checked on the host); element offsets into
   // the tensors are formed in int64.
   int heads_q;
@@ -491,7 +489,7 @@ __device__ __forceinline__ int find_query_tile(const BwdArgs& args, uint32_t win
       bool cand_single = false;
       if (cand < m_end) {
         const IdRange r = id_range_fixed<kBlockM / kSegmentChunk>(
-            args.segments.q_ranges + batch * args.q_id_chunks * kSegmentRecord,
+            segment_row(args.segments.q_ranges, batch, args.layout.seqlen_q),
             static_cast<int64_t>(cand) * kBlockM, min((cand + 1) * kBlockM, len_q));
         cand_seen = !r.disjoint(kv_range);
         cand_single = r.same_single(kv_range);
@@ -629,7 +627,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
     IdRange kv_range{0, 0};
     if constexpr (kSegments) {
       kv_range = id_range_fixed<kBlockN / kSegmentChunk>(
-          args.segments.kv_ranges + batch * args.kv_id_chunks * kSegmentRecord, n0, n1);
+          segment_row(args.segments.kv_ranges, batch, args.layout.seqlen_k), n0, n1);
       const uint32_t window = info.window_addr(tid / 32);
       st_shared_b32(window + offsetof(BlockInfo::Window, base), static_cast<uint32_t>(-64));
       __syncwarp();  // every lane's store before any lane's read
@@ -1039,8 +1037,6 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
     args.layout = layout;
     args.band = params.mask.band.clamped();
     args.segments = params.mask.segments;
-    args.q_id_chunks = segment_chunks(layout.seqlen_q);
-    args.kv_id_chunks = segment_chunks(layout.seqlen_k);
     args.heads_q = static_cast<int>(params.heads_q);
     args.heads_kv = static_cast<int>(params.heads_kv);
     args.group = static_cast<int>(group);

@@ -143,9 +143,7 @@ struct FwdArgs {
   SeqLayout layout;
   Band band;            // read only by the kBand kernels
   SegmentIds segments;  // read only by the kSegments kernels (dense only)
-  int64_t q_id_chunks;  // segment_chunks(seqlen_q): chunk records per batch row
-  int64_t kv_id_chunks;
-  const float* sinks;  // [batch, heads_q] natural-log sinks, or nullptr
+  const float* sinks;   // [batch, heads_q] natural-log sinks, or nullptr
   int64_t sinks_batch_stride;
   int heads_q;
   int q_per_kv;  // heads_q / heads_kv
@@ -316,7 +314,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
   // a long run of disjoint blocks costs one round trip, not one per block.
   if constexpr (kSegments) {
     const IdRange q_range = id_range_fixed<kBlockM / kSegmentChunk>(
-        args.segments.q_ranges + span.batch * args.q_id_chunks * kSegmentRecord, m0, m1);
+        segment_row(args.segments.q_ranges, span.batch, args.layout.seqlen_q), m0, m1);
     st_shared_u32(win_addr(offsetof(SegWindow, base)), static_cast<uint32_t>(-1));
     st_shared_u32(win_addr(offsetof(SegWindow, q_lo)), static_cast<uint32_t>(q_range.lo));
     st_shared_u32(win_addr(offsetof(SegWindow, q_hi)), static_cast<uint32_t>(q_range.hi));
@@ -342,7 +340,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks) fwd_kernel(cons
                 static_cast<int32_t>(ld_shared_u32(win_addr(offsetof(SegWindow, q_hi))))};
             const int batch = static_cast<int>(ld_shared_u32(win_addr(offsetof(SegWindow, batch))));
             const IdRange r = id_range_fixed<kBlockN / kSegmentChunk>(
-                args.segments.kv_ranges + batch * args.kv_id_chunks * kSegmentRecord,
+                segment_row(args.segments.kv_ranges, batch, args.layout.seqlen_k),
                 static_cast<int64_t>(cand) * kBlockN, min((cand + 1) * kBlockN, len_k));
             seen = !r.disjoint(q_range);
             single = r.same_single(q_range);
@@ -783,8 +781,6 @@ cudaError_t launch_fwd(const FwdParams& params, cudaStream_t stream) {
   args.layout = layout;
   args.band = params.mask.band.clamped();
   args.segments = params.mask.segments;
-  args.q_id_chunks = segment_chunks(layout.seqlen_q);
-  args.kv_id_chunks = segment_chunks(layout.seqlen_k);
   args.sinks = static_cast<const float*>(params.mask.sinks);
   args.sinks_batch_stride = params.mask.sinks_batch_stride;
   args.heads_q = static_cast<int>(params.heads_q);
