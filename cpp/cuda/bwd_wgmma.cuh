@@ -445,11 +445,27 @@ template <class Tr, bool kMask>
 __device__ __forceinline__ void bwd_probs(float (&s)[Tr::kSCols / 2],
                                           uint32_t (&p)[Tr::kSCols / 16][4],
                                           uint32_t (&wh)[Tr::kSCols / 16][4], const float* lse_s,
-                                          const int* qid_s, const TileMask& tm, bool seg,
+                                          const int* qid_s, const TileMask tm, bool seg,
                                           const int* kvid_s, int key, int q0, int t,
                                           const BwdWgmmaArgs& args) {
   using T = typename Tr::Element;
   static_assert(!(kMask && Tr::kPair128), "kPair128 masks afterwards (bwd_mask_packed)");
+  // The band as a window of query offsets per accumulator row r: query q0 + 2t + o sees key
+  // `key` + 8r iff first[r] <= o <= last[r] (none past the sequence's keys). Each element then
+  // costs two compares with a constant offset o = 8i + e, where TileMask::visible, evaluated per
+  // element, compiled to branches around reloads of the pair's mask from shared memory and
+  // doubled the time of a masked pair.
+  int first[2] = {0, 0};
+  int last[2] = {-1, -1};
+  if constexpr (kMask) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int kc = key + 8 * r;
+      const int base = q0 + 2 * t;
+      first[r] = kc - tm.hi_diag - base;
+      last[r] = kc < tm.n_limit ? kc - tm.lo_diag - base : -1;
+    }
+  }
 #pragma unroll
   for (int i = 0; i < Tr::kSCols / 8; ++i) {
     const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * i + 2 * t);
@@ -474,14 +490,12 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Tr::kSCols / 2],
         w1 = p1;
       }
       if constexpr (kMask) {
-        const int kc = key + 8 * r;
-        const int q = q0 + 8 * i + 2 * t;
-        bool v0 = tm.visible(q, kc);
-        bool v1 = tm.visible(q + 1, kc);
+        bool v0 = (first[r] <= 8 * i) & (8 * i <= last[r]);
+        bool v1 = (first[r] <= 8 * i + 1) & (8 * i + 1 <= last[r]);
         if (seg) {
-          const int kv_id = kvid_s[kc];
-          v0 = v0 && qid.x == kv_id;
-          v1 = v1 && qid.y == kv_id;
+          const int kv_id = kvid_s[key + 8 * r];
+          v0 = v0 & (qid.x == kv_id);
+          v1 = v1 & (qid.y == kv_id);
         }
         p0 = v0 ? p0 : 0.f;
         p1 = v1 ? p1 : 0.f;
