@@ -1,0 +1,72 @@
+"""One forward+backward call per implementation and cell, three times each: a small target for a
+kernel profiler, to see which kernels a training step's attention launches and how long each takes.
+
+    XLA_FLAGS=--xla_gpu_autotune_level=0 ncu --clock-control none --csv \\
+        --metrics gpu__time_duration.sum python3 tools/bwd_one_call.py --fa3-dir fa3_carry
+
+Cells (bf16, 16 heads of 128): causal 16 x 1k, and a causal 1k window over one 16k row. The
+inputs are made on the host, so the profiled kernels are the calls' own; each call prints a line
+before it runs, so the profiler's kernels can be attributed to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flash
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from _fa3 import load_fa3  # noqa: E402
+
+CELLS = {
+    "causal 16x1k": dict(batch=16, seqlen=1024, window=None),
+    "window 1k over 16k": dict(batch=1, seqlen=16384, window=(1023, 0)),
+}
+
+
+def implementations(fa3, window):
+    impls = {
+        "jax_flash": lambda q, k, v: jax_flash.attention(q, k, v, causal=True, window=window),
+        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, local_window_size=window, implementation="cudnn"
+        ),
+    }
+    if fa3 is not None:
+        impls["fa3"] = lambda q, k, v: fa3.flash_mha(
+            q, k, v, is_causal=True, window_size=window or (-1, -1)
+        )
+    return impls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fa3-dir", type=Path, default=None)
+    args = parser.parse_args()
+    fa3, status = load_fa3(args.fa3_dir, jax.devices()[0])
+    print("fa3:", status, flush=True)
+    rng = np.random.default_rng(0)
+    for cell, shape in CELLS.items():
+        dims = (shape["batch"], shape["seqlen"], 16, 128)
+        q, k, v, dout = (
+            jax.device_put(rng.standard_normal(dims).astype(jnp.bfloat16)) for _ in range(4)
+        )
+        for name, attend in implementations(fa3, shape["window"]).items():
+
+            def step(q, k, v, dout, attend=attend):
+                out, vjp = jax.vjp(attend, q, k, v)
+                return (out, *vjp(dout))
+
+            compiled = jax.jit(step).lower(q, k, v, dout).compile()
+            for _ in range(3):
+                print(f"call {cell} {name}", flush=True)
+                jax.block_until_ready(compiled(q, k, v, dout))
+
+
+if __name__ == "__main__":
+    main()
