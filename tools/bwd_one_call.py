@@ -23,6 +23,7 @@ import jax_flash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from _fa3 import load_fa3  # noqa: E402
+from _timing import compile_jit, forward_backward  # noqa: E402
 
 CELLS = {
     "causal 16x1k": dict(batch=16, seqlen=1024, window=None),
@@ -57,12 +58,7 @@ def main() -> None:
             jax.device_put(rng.standard_normal(dims).astype(jnp.bfloat16)) for _ in range(4)
         )
         for name, attend in implementations(fa3, shape["window"]).items():
-
-            def step(q, k, v, dout, attend=attend):
-                out, vjp = jax.vjp(attend, q, k, v)
-                return (out, *vjp(dout))
-
-            compiled = jax.jit(step).lower(q, k, v, dout).compile()
+            compiled = compile_jit(forward_backward(attend), (q, k, v, dout))
             for _ in range(3):
                 print(f"call {cell} {name}", flush=True)
                 jax.block_until_ready(compiled(q, k, v, dout))
