@@ -918,6 +918,25 @@ void time_order_cells() {
     seg.segments = Segments::kRuns;
     seg.doc_lens = docs;
     time_case(seg, "11 documents as segment ids", 0.0);
+    // The same documents rounded to multiples of 128 tokens: no tile holds two documents, so the
+    // segment-id kernel masks only the diagonal tiles, as the packed one does, and the difference
+    // between the two is what every tile pays.
+    const std::vector<int> aligned = {3456, 2688, 2176, 1152, 1280, 256, 384, 128, 768, 3328, 768};
+    std::vector<std::pair<int, int>> aligned_seqs;
+    for (int d : aligned) aligned_seqs.push_back({d, d});
+    Case aligned_packed = packed(DType::kBF16, head_dim, aligned_seqs, 0, 0, inf, 0);
+    aligned_packed.heads_q = heads;
+    aligned_packed.heads_kv = heads;
+    time_case(aligned_packed, "11 aligned documents packed", 0.0);
+    Case aligned_seg = c16;
+    aligned_seg.segments = Segments::kRuns;
+    aligned_seg.doc_lens = aligned;
+    time_case(aligned_seg, "11 aligned documents segment ids", 0.0);
+    // The first packed cell of a process reads slow (docs/PERF_LOG.md): the four cells again.
+    time_case(packed_docs, "11 documents packed (varlen)", 0.0);
+    time_case(seg, "11 documents as segment ids", 0.0);
+    time_case(aligned_packed, "11 aligned documents packed", 0.0);
+    time_case(aligned_seg, "11 aligned documents segment ids", 0.0);
   }
 }
 
