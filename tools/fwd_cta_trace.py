@@ -94,8 +94,8 @@ void fwd_trace_dump(const char* label) {
     return;
   }
   int n = 0;
-  double issue = 0, landed = 0, loop = 0, epi = 0, total = 0, blocks = 0;
-  double sx = 0, sy = 0, sxx = 0, sxy = 0;
+  // Sums over the CTAs; total and blocks are also the fit's sums of y and x.
+  double issue = 0, landed = 0, loop = 0, epi = 0, total = 0, blocks = 0, sxx = 0, sxy = 0;
   std::vector<std::vector<std::pair<unsigned long long, unsigned long long>>> per_sm(1024);
   for (int b = 0; b < FWD_TRACE_SLOTS; ++b) {
     const unsigned long long* t = &h[b * 8];
@@ -108,8 +108,6 @@ void fwd_trace_dump(const char* label) {
     epi += double(t[5] - t[4]);
     total += d;
     blocks += double(t[6]);
-    sx += double(t[6]);
-    sy += d;
     sxx += double(t[6]) * double(t[6]);
     sxy += double(t[6]) * d;
     if (t[1] < per_sm.size()) per_sm[t[1]].push_back({t[0], t[5]});
@@ -118,9 +116,9 @@ void fwd_trace_dump(const char* label) {
     std::printf("trace %s: no CTA visited a key block\n", label);
     return;
   }
-  const double den = n * sxx - sx * sx;
-  const double slope = den != 0 ? (n * sxy - sx * sy) / den : 0.0;
-  const double intercept = (sy - slope * sx) / n;
+  const double den = n * sxx - blocks * blocks;
+  const double slope = den != 0 ? (n * sxy - blocks * total) / den : 0.0;
+  const double intercept = (total - slope * blocks) / n;
   double gaps = 0;
   int ngaps = 0;
   for (auto& v : per_sm) {
@@ -163,8 +161,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dest", type=pathlib.Path, help="scratch directory (replaced)")
     dest = parser.parse_args().dest.resolve()
-    inside = dest.is_relative_to(ROOT) and dest != ROOT and dest.relative_to(ROOT).parts[0]
-    if dest == ROOT or dest in ROOT.parents or inside in PROTECTED:
+    top = dest.relative_to(ROOT).parts[:1] if dest.is_relative_to(ROOT) else ()
+    if dest == ROOT or dest in ROOT.parents or set(top) & PROTECTED:
         raise SystemExit(f"{dest}: not a scratch directory (it would replace part of the tree)")
     if dest.exists():
         shutil.rmtree(dest)

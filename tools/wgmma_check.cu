@@ -886,8 +886,10 @@ void time_softmax_cells() {
 void time_order_cells() {
   const int64_t inf = kUnbounded;
   const std::vector<int> docs = {3494, 2632, 2125, 1152, 1305, 229, 367, 130, 770, 3343, 837};
-  std::vector<std::pair<int, int>> seqs;
-  for (int d : docs) seqs.push_back({d, d});
+  // The same documents rounded to multiples of 128 tokens: no tile holds two documents, so the
+  // segment-id kernel masks only the diagonal tiles, as the packed one does, and the difference
+  // between the two is what every tile pays.
+  const std::vector<int> aligned = {3456, 2688, 2176, 1152, 1280, 256, 384, 128, 768, 3328, 768};
   for (int head_dim : {128, 64, 256}) {
     const int heads = 2048 / head_dim;
     for (int s : {1024, 4096}) {
@@ -910,27 +912,23 @@ void time_order_cells() {
     Case window = c16;
     window.left = 1023;
     time_case(window, "window 1k over 16k", 0.0);
-    Case packed_docs = packed(DType::kBF16, head_dim, seqs, 0, 0, inf, 0);
-    packed_docs.heads_q = heads;
-    packed_docs.heads_kv = heads;
+    // One row of documents of these lengths, packed (varlen) and as segment ids of a dense row.
+    const auto document_cases = [&](const std::vector<int>& lengths) {
+      std::vector<std::pair<int, int>> seqs;
+      for (int d : lengths) seqs.push_back({d, d});
+      Case as_packed = packed(DType::kBF16, head_dim, seqs, 0, 0, inf, 0);
+      as_packed.heads_q = heads;
+      as_packed.heads_kv = heads;
+      Case as_segments = c16;
+      as_segments.segments = Segments::kRuns;
+      as_segments.doc_lens = lengths;
+      return std::make_pair(as_packed, as_segments);
+    };
+    const auto [packed_docs, seg] = document_cases(docs);
+    const auto [aligned_packed, aligned_seg] = document_cases(aligned);
     time_case(packed_docs, "11 documents packed (varlen)", 0.0);
-    Case seg = c16;
-    seg.segments = Segments::kRuns;
-    seg.doc_lens = docs;
     time_case(seg, "11 documents as segment ids", 0.0);
-    // The same documents rounded to multiples of 128 tokens: no tile holds two documents, so the
-    // segment-id kernel masks only the diagonal tiles, as the packed one does, and the difference
-    // between the two is what every tile pays.
-    const std::vector<int> aligned = {3456, 2688, 2176, 1152, 1280, 256, 384, 128, 768, 3328, 768};
-    std::vector<std::pair<int, int>> aligned_seqs;
-    for (int d : aligned) aligned_seqs.push_back({d, d});
-    Case aligned_packed = packed(DType::kBF16, head_dim, aligned_seqs, 0, 0, inf, 0);
-    aligned_packed.heads_q = heads;
-    aligned_packed.heads_kv = heads;
     time_case(aligned_packed, "11 aligned documents packed", 0.0);
-    Case aligned_seg = c16;
-    aligned_seg.segments = Segments::kRuns;
-    aligned_seg.doc_lens = aligned;
     time_case(aligned_seg, "11 aligned documents segment ids", 0.0);
     // The first packed cell of a process reads slow (docs/PERF_LOG.md): the four cells again.
     time_case(packed_docs, "11 documents packed (varlen)", 0.0);
