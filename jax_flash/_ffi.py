@@ -24,6 +24,7 @@ FWD_CUDA = "jax_flash_fwd_cuda"
 BWD_CUDA = "jax_flash_bwd_cuda"
 DECODE_CPU = "jax_flash_decode_cpu"
 DECODE_CUDA = "jax_flash_decode_cuda"
+SEGMENTS_CUDA = "jax_flash_segments_cuda"
 
 HAS_CUDA: bool = bool(_jax_flash.has_cuda)
 BUILT_FFI_API: tuple[int, int] = tuple(_jax_flash.xla_ffi_api_version)

@@ -23,6 +23,14 @@ CUDA_TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
 # (kSegmentChunk in cpp/common/mask.h).
 SEGMENT_CHUNK = 16
 
+# The CUDA wgmma kernels schedule a row of segment ids by its documents when its runs are
+# documents (cpp/common/schedule.h, SeqLayout::runs): rows of at least SEGMENT_RUNS_MIN_LEN
+# tokens, up to one document per SEGMENT_RUNS_TOKENS tokens and MAX_SEGMENT_RUNS in all. Every
+# possible document costs each row an empty grid slot, hence the bound.
+SEGMENT_RUNS_MIN_LEN = 2048
+SEGMENT_RUNS_TOKENS = 512
+MAX_SEGMENT_RUNS = 32  # kMaxRunsPerRow
+
 
 def _lse_shape(q: jax.Array) -> tuple[int, ...]:
     # [..., Sq, Hq, D] -> [..., Hq, Sq]; leading axes include any that vmap added. A packed
@@ -67,10 +75,11 @@ class Spec:
             "softcap": float(self.softcap),
         }
 
-    def attrs(self, aux: Aux) -> dict:
+    def attrs(self, aux: Aux, segment_runs: int = 0) -> dict:
         return {
             **self.score_attrs(),
             "has_segments": np.bool_(aux.q_segment_ids is not None),
+            "segment_runs": int(segment_runs),
             "has_sinks": np.bool_(aux.sinks is not None),
             "varlen": np.bool_(self.varlen),
             "max_seqlen_q": int(self.max_seqlen_q),
@@ -106,16 +115,76 @@ def _segment_ranges(ids: jax.Array, *, suffix_reach: bool) -> jax.Array:
     return jnp.stack([lo, hi, reach_lo, reach_hi], axis=-1)
 
 
-def _extras(aux: Aux, dtype) -> tuple[jax.Array, ...]:
-    """The seven optional FFI inputs in the order of ffi/shapes.h Extra, with one-element
-    placeholders for the unused ones."""
+def segment_runs_per_row(q: jax.Array, k: jax.Array, aux: Aux) -> int:
+    """Documents per row the CUDA kernels may schedule a segment-id call's rows by (0: none):
+    half-precision inputs (the wgmma kernels), one sequence length for queries and keys, rows of
+    at least SEGMENT_RUNS_MIN_LEN tokens."""
+    seqlen = q.shape[-3]
+    if aux.q_segment_ids is None or not is_half(q.dtype) or k.shape[-3] != seqlen:
+        return 0
+    if seqlen < SEGMENT_RUNS_MIN_LEN:
+        return 0
+    return min(MAX_SEGMENT_RUNS, seqlen // SEGMENT_RUNS_TOKENS)
+
+
+def _segment_runs(q_ids: jax.Array, kv_ids: jax.Array, runs: int) -> jax.Array:
+    """[..., S] int32 ids -> [..., runs] int32, each row's documents (common/schedule.h
+    SeqLayout::runs): entry 0 is 1 when the row's runs are documents (no id forms two runs, at
+    most `runs` runs, the query ids equal the key ids), entry j >= 1 the first position of run j
+    (S past the last run)."""
+    i32 = jnp.int32
+    seqlen = q_ids.shape[-1]
+    # run[p - 1] = index of the run that position p (>= 1) belongs to.
+    run = jnp.cumsum(q_ids[..., 1:] != q_ids[..., :-1], axis=-1, dtype=i32)
+    count = run[..., -1] + 1
+    # Run j starts after the positions of runs below j: 1 + #{p >= 1: run(p) < j} (S for j >=
+    # count).
+    j = jnp.arange(1, runs, dtype=i32)
+    starts = 1 + jnp.sum(run[..., None, :] < j[:, None], axis=-1, dtype=i32)
+    first = jnp.take_along_axis(q_ids, jnp.minimum(starts, seqlen - 1), axis=-1)
+    ids = jnp.concatenate([q_ids[..., :1], first], axis=-1)
+    index = jnp.arange(runs)
+    later = (index[None, :] > index[:, None]) & (index[None, :] < count[..., None, None])
+    repeated = jnp.any((ids[..., :, None] == ids[..., None, :]) & later, axis=(-2, -1))
+    documents = (count <= runs) & ~repeated & jnp.all(q_ids == kv_ids, axis=-1)
+    return jnp.concatenate([documents.astype(i32)[..., None], starts], axis=-1)
+
+
+def _segment_summaries_cuda(
+    q_ids: jax.Array, kv_ids: jax.Array, runs: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """_segment_ranges of both id arrays and (runs > 0) _segment_runs, computed on the GPU in one
+    launch (cpp/cuda/segment_summaries.cu) instead of a dozen small XLA kernels. Without runs the
+    third output is a placeholder of one element per row."""
+    i32 = jnp.int32
+    chunks = [-(-ids.shape[-1] // SEGMENT_CHUNK) for ids in (q_ids, kv_ids)]
+    lead = q_ids.shape[:-1]
+    out_types = (
+        jax.ShapeDtypeStruct((*lead, chunks[0], 4), i32),
+        jax.ShapeDtypeStruct((*kv_ids.shape[:-1], chunks[1], 4), i32),
+        jax.ShapeDtypeStruct((*lead, max(runs, 1)), i32),
+    )
+    call = jax.ffi.ffi_call(_ffi.SEGMENTS_CUDA, out_types, vmap_method="broadcast_all")
+    return call(q_ids, kv_ids, runs_per_row=int(runs))
+
+
+def _extras(aux: Aux, dtype, segment_runs: int = 0, cuda: bool = False) -> tuple[jax.Array, ...]:
+    """The eight optional FFI inputs in the order of ffi/shapes.h Extra, with one-element
+    placeholders for the unused ones; segment_runs > 0 adds the rows' documents. cuda: the id
+    summaries come from the GPU's own kernel."""
 
     def given(x, placeholder_dtype):
         return jnp.zeros((1,), placeholder_dtype) if x is None else x
 
     i32 = jnp.int32
+    runs = jnp.zeros((1,), i32)
     if aux.q_segment_ids is None:
         segments = (jnp.zeros((1,), i32),) * 4
+    elif cuda:
+        q_ranges, kv_ranges, runs = _segment_summaries_cuda(
+            aux.q_segment_ids, aux.kv_segment_ids, segment_runs
+        )
+        segments = (aux.q_segment_ids, aux.kv_segment_ids, q_ranges, kv_ranges)
     else:
         segments = (
             aux.q_segment_ids,
@@ -123,11 +192,14 @@ def _extras(aux: Aux, dtype) -> tuple[jax.Array, ...]:
             _segment_ranges(aux.q_segment_ids, suffix_reach=True),
             _segment_ranges(aux.kv_segment_ids, suffix_reach=False),
         )
+        if segment_runs > 0:
+            runs = _segment_runs(aux.q_segment_ids, aux.kv_segment_ids, segment_runs)
     return (
         *segments,
         given(aux.sinks, stats_dtype(dtype)),
         given(aux.cu_seqlens_q, i32),
         given(aux.cu_seqlens_k, i32),
+        runs,
     )
 
 
@@ -137,13 +209,14 @@ def _vmap_method(spec: Spec) -> str:
     return "sequential" if spec.varlen else "broadcast_all"
 
 
-def _fwd_call(target, q, k, v, aux, spec):
+def _fwd_call(target, q, k, v, aux, spec, segment_runs=0, cuda=False):
     out_types = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct(_lse_shape(q), stats_dtype(q.dtype)),
     )
     call = jax.ffi.ffi_call(target, out_types, vmap_method=_vmap_method(spec))
-    return call(q, k, v, *_extras(aux, q.dtype), **spec.attrs(aux))
+    extras = _extras(aux, q.dtype, segment_runs, cuda)
+    return call(q, k, v, *extras, **spec.attrs(aux, segment_runs))
 
 
 def _as_decode(q, k, aux, spec) -> tuple[jax.Array, ...] | None:
@@ -178,7 +251,8 @@ def _fwd_cuda(q, k, v, aux, *, spec):
     head_dim = q.shape[-1]
     padded = _cuda_head_dim(q.dtype, head_dim)
     q, k, v = (pad_head_dim(x, padded) for x in (q, k, v))
-    out, lse = _fwd_call(_ffi.FWD_CUDA, q, k, v, aux, spec)
+    runs = segment_runs_per_row(q, k, aux)
+    out, lse = _fwd_call(_ffi.FWD_CUDA, q, k, v, aux, spec, runs, cuda=True)
     return out[..., :head_dim], lse
 
 
@@ -211,7 +285,9 @@ def _bwd_cuda(q, k, v, dout, lse, delta, aux, *, spec):
         jax.ShapeDtypeStruct(semaphore_shape, jnp.int32),
     )
     call = jax.ffi.ffi_call(_ffi.BWD_CUDA, out_types, vmap_method=_vmap_method(spec))
-    dq, dk, dv, *_ = call(q, k, v, dout, lse, delta, *_extras(aux, q.dtype), **spec.attrs(aux))
+    runs = segment_runs_per_row(q, k, aux)
+    extras = _extras(aux, q.dtype, runs, cuda=True)
+    dq, dk, dv, *_ = call(q, k, v, dout, lse, delta, *extras, **spec.attrs(aux, runs))
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim]
 
 

@@ -111,7 +111,11 @@ def attention(
         static finite number > 0, or None.
       segment_ids: ``(q_ids [batch, seqlen_q], kv_ids [batch, seqlen_k])`` int32, or one
         ``[batch, seq]`` array when seqlen_q == seqlen_k: query i sees key j only if their ids
-        are equal (with ``causal``, document masking of packed rows).
+        are equal (with ``causal``, document masking of packed rows). On the GPU (float16 and
+        bfloat16) a row whose runs of ids are documents (each id one run; rows of at least 2048
+        tokens with at most one document per 512, 32 in all) is scheduled document by document,
+        like :func:`attention_varlen`; other rows are masked element by element (equal up to
+        rounding).
       sinks: ``[heads_q]`` floating, differentiable: one extra logit per query head in every
         row's softmax denominator, with no value (computed in float32, float64 for float64
         inputs); lse includes it.
@@ -122,7 +126,8 @@ def attention(
         from run to run. The default adds them with fp32 atomics in whatever order the key
         tiles get there: faster, and equal to the last bits only. With segment ids the
         deterministic backward computes every tile pair of the band (disjoint ones add zeros)
-        instead of skipping them. The forward and the CPU backward are deterministic either way.
+        instead of skipping them, except in rows scheduled by their documents. The forward
+        and the CPU backward are deterministic either way.
 
     q, k, v share one dtype: float16, bfloat16, float32 or float64; head_dim is 1..256. A row that
     sees no key gives output 0, lse -inf (the row's sink with sinks) and zero gradients.

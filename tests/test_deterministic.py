@@ -2,13 +2,15 @@
 gradients are bitwise the same from run to run (on the GPU; the CPU kernels are deterministic
 either way), and they are as accurate as the default's. Cases cover head_dim 64/128/256 (the
 wgmma backward on Hopper, the mma.sync one under JAX_FLASH_CUDA_FAMILY=mma), grouped heads, the
-band, segment ids (every pair of the band is then visited) and packed sequences."""
+band, segment ids (every pair of the band is then visited), rows of documents and packed
+sequences."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
+    ON_GPU,
     check_features,
     dtype_id,
     flash_feature_vjp,
@@ -28,6 +30,7 @@ CASES = [
     (jnp.bfloat16, 128, False, (300, 40), (2, 2), "dense"),
     (jnp.bfloat16, 256, True, None, (2, 1), "dense"),
     (jnp.float16, 64, True, None, (2, 2), "segments"),
+    (jnp.bfloat16, 128, True, None, (4, 2), "documents"),
     (jnp.bfloat16, 128, True, (200, None), (4, 2), "packed"),
     (jnp.float32, 64, True, None, (2, 1), "dense"),
 ]
@@ -47,6 +50,15 @@ def _inputs(rng, dtype, head_dim, heads, layout):
             heads_kv=heads[1], head_dim=head_dim, dtype=dtype,
         )  # fmt: skip
         return q, k, v, {"cu_seqlens": cu}
+    if layout == "documents":
+        # Row 0 is four documents, which the GPU schedules document by document; row 1's ids
+        # recur, so its tiles keep the element masks (tests/test_mask_features.py).
+        q, k, v = make_qkv(
+            rng, batch=2, seqlen_q=2304, seqlen_k=2304, heads_q=heads[0], heads_kv=heads[1],
+            head_dim=head_dim, dtype=dtype,
+        )  # fmt: skip
+        ids = segments_from_lengths([700, 1, 900, 703], [600, 1000, 704])
+        return q, k, v, {"segment_ids": ids.at[1].set(ids[1] % 2)}
     q, k, v = make_qkv(
         rng, batch=2, seqlen_q=700, seqlen_k=900, heads_q=heads[0], heads_kv=heads[1],
         head_dim=head_dim, dtype=dtype,
@@ -60,7 +72,13 @@ def _inputs(rng, dtype, head_dim, heads, layout):
     return q, k, v, extra
 
 
-@pytest.mark.parametrize("case", CASES, ids=_ids)
+def _params():
+    # Rows of documents take their GPU schedule only there (tests/test_mask_features.py).
+    gpu = pytest.mark.skipif(not ON_GPU, reason="the GPU kernels' document schedule")
+    return [pytest.param(c, id=_ids(c), marks=gpu if c[-1] == "documents" else ()) for c in CASES]
+
+
+@pytest.mark.parametrize("case", _params())
 def test_deterministic_backward_is_accurate_and_bitwise_repeatable(rng, case):
     dtype, head_dim, causal, window, heads, layout = case
     q, k, v, extra = _inputs(rng, dtype, head_dim, heads, layout)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
+    ON_GPU,
     check_features,
     dtype_id,
     flash_feature_vjp,
@@ -381,6 +382,78 @@ def test_segment_ids_walks_past_32_tiles(rng, causal, recurring):
         dtype=jnp.bfloat16,
     )  # fmt: skip
     check_features(rng, q, k, v, segment_ids=ids, causal=causal)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rows of documents. The GPU's half-precision kernels schedule a row (of at least 2048 tokens) whose
+# ids are documents, each id one run and at most one run per 512 tokens, document by document, and
+# every other row tile by tile with element masks; rows of both kinds can share a call. The CPU
+# kernels mask element by element whatever the ids (the tests above), so these run on the GPU only.
+
+DOCUMENT_ROWS = {
+    # 2304 tokens: up to four documents a row. Both rows documents, boundaries off the tiles.
+    "documents": ([700, 1, 900, 703], [129, 1000, 1175]),
+    # Row 1's ids recur (0, 1, 0): it keeps the element masks beside row 0's documents.
+    "recurring": ([700, 1, 900, 703], [600, 1000, 704]),
+    # Row 0 has five documents, one more than its row may: element masks.
+    "many": ([300, 300, 300, 700, 704], [2304]),
+}
+
+
+def document_ids(kind):
+    ids = segments_from_lengths(*DOCUMENT_ROWS[kind])
+    return ids.at[1].set(ids[1] % 2) if kind == "recurring" else ids
+
+
+# (kind, head_dim, causal, window, softcap, sinks, (heads_q, heads_kv), ids: one array, a pair
+# of equal arrays, or a pair whose key ids differ in one position of row 0)
+DOCUMENT_CASES = [
+    ("documents", 128, True, None, None, False, (4, 2), "one"),
+    ("documents", 64, False, None, None, False, (2, 2), "one"),
+    ("documents", 256, True, None, None, False, (2, 1), "one"),
+    ("documents", 128, True, (500, 0), 30.0, True, (2, 1), "equal"),
+    ("documents", 128, False, None, None, False, (2, 2), "differs"),
+    ("recurring", 128, True, (300, 0), 20.0, True, (4, 1), "one"),
+    ("recurring", 64, False, None, None, False, (2, 2), "equal"),
+    ("many", 128, True, None, None, True, (2, 2), "equal"),
+]
+
+
+@pytest.mark.parametrize(
+    "kind,head_dim,causal,window,softcap,sinks,heads,pair,dtype",
+    [
+        pytest.param(
+            *case,
+            d,
+            id="-".join(case_id(x) for x in case) + f"-{dtype_id(d)}",
+            marks=pytest.mark.skipif(not ON_GPU, reason="the GPU kernels' document schedule"),
+        )
+        for case in DOCUMENT_CASES
+        for d in (jnp.bfloat16, jnp.float16)
+    ],
+)
+def test_segment_ids_documents(
+    rng, kind, head_dim, causal, window, softcap, sinks, heads, pair, dtype
+):
+    ids = document_ids(kind)
+    if pair != "one":
+        kv_ids = jnp.array(ids)
+        ids = (ids, kv_ids.at[0, 800].add(7) if pair == "differs" else kv_ids)
+    q, k, v = make_qkv(
+        rng, batch=2, seqlen_q=2304, seqlen_k=2304, heads_q=heads[0], heads_kv=heads[1],
+        head_dim=head_dim, dtype=dtype,
+    )  # fmt: skip
+    check_features(
+        rng,
+        q,
+        k,
+        v,
+        segment_ids=ids,
+        sinks=make_sinks(rng, heads[0], dtype) if sinks else None,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import (
     BACKEND,
+    ON_GPU,
     assert_close,
     custom_call_targets,
     dtype_id,
@@ -198,6 +199,10 @@ def test_checkpoint(rng):
 def _assert_single_launches(fn, args, expected):
     stablehlo = jax.jit(fn).lower(*args).as_text()
     targets = custom_call_targets(stablehlo)
+    # On the GPU each direction summarises the segment ids with one launch of its own.
+    summaries = [t for t in targets if t.startswith("jax_flash_segments")]
+    assert len(summaries) == (len(expected) if ON_GPU else 0), targets
+    targets = [t for t in targets if t not in summaries]
     for name in expected:
         assert sum(t.startswith(name) for t in targets) == 1, targets
     assert len(targets) == len(expected), targets

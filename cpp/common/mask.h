@@ -161,6 +161,10 @@ struct SegmentIds {
   const int32_t* kv_ids = nullptr;     // [batch, seqlen_k]
   const int32_t* q_ranges = nullptr;   // [batch, ceil(seqlen_q / kSegmentChunk), kSegmentRecord]
   const int32_t* kv_ranges = nullptr;  // [batch, ceil(seqlen_k / kSegmentChunk), kSegmentRecord]
+  // The rows' documents, for the kernels that schedule by them (SeqLayout::runs): [batch,
+  // runs_per_row], or nullptr.
+  const int32_t* runs = nullptr;
+  int64_t runs_per_row = 0;
 
   JF_HOST_DEVICE bool enabled() const { return q_ids != nullptr; }
 };

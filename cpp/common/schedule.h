@@ -36,6 +36,11 @@ struct SeqSpan {
 struct SeqTile {
   SeqSpan span;
   int64_t block;
+  // The span's rows share their tensor rows with other spans' (a packed call's sequence, one
+  // document of a dense row): a tile that runs past its end reads a neighbour's rows, which must
+  // not enter a result, and may write only its own. False for a dense sequence, whose tail is
+  // past the end of its row (loads read zeros, stores are clipped).
+  bool packed;
 
   // True when the tile holds no row of its span (the spare slot of a packed span, or a slot of
   // malformed cu_seqlens): the kernel skips it.
@@ -54,6 +59,10 @@ JF_HOST_DEVICE int popcount32(uint32_t x) {
   return n;
 #endif
 }
+
+// The most documents a dense row can be scheduled by (SeqLayout::runs): a warp finds a slot's run
+// with one ballot.
+inline constexpr int64_t kMaxRunsPerRow = 32;
 
 struct SeqLayout {
   // Dense: `batch` sequences of seqlen_q queries and seqlen_k keys; lse [batch, heads_q, seqlen_q].
@@ -74,8 +83,20 @@ struct SeqLayout {
   // use them to choose tile configurations only, never to bound an access or a loop.
   int64_t max_seqlen_q = 0;
   int64_t max_seqlen_k = 0;
+  // Documents of a dense call's rows (set by the launchers that schedule them, the wgmma ones;
+  // nullptr for everything else): [batch, runs_per_row] int32, from segment ids whose runs are
+  // documents. Row b's entry 0 is nonzero when the row's runs may be scheduled as sequences of
+  // their own (every id forms one run, at most runs_per_row runs, the query ids equal the key ids,
+  // seqlen_q == seqlen_k); then entry j >= 1 is the first position of run j (seqlen_q past the
+  // row's last run). Such a row's tiles are its runs' tiles, each run a span of its own, so no
+  // tile holds two documents; a row whose entry 0 is 0 keeps its dense tiles, and its kernel the
+  // element-wise segment masking. Malformed positions are clamped: wrong results, no
+  // out-of-bounds access.
+  const int32_t* runs = nullptr;
+  int64_t runs_per_row = 0;  // 1 .. kMaxRunsPerRow where runs is given
 
   JF_HOST_DEVICE bool varlen() const { return cu_seqlens_q != nullptr; }
+  JF_HOST_DEVICE bool has_runs() const { return runs != nullptr; }
   JF_HOST_DEVICE int64_t rows_q() const { return varlen() ? total_q : batch * seqlen_q; }
   JF_HOST_DEVICE int64_t rows_k() const { return varlen() ? total_k : batch * seqlen_k; }
   // Spans a call has: dense batch, packed num_seqs + 1 (the padding span last).
@@ -101,14 +122,25 @@ struct SeqLayout {
   // tiles (at most one slot per span stays empty), so the slots of all spans are contiguous and
   // number floor(total / size) + num_seqs + 1 whatever the lengths.
   JF_HOST_DEVICE int64_t tiles(int64_t size, bool keys) const {
-    if (!varlen()) return batch * ceil_div(keys ? seqlen_k : seqlen_q, size);
+    if (!varlen()) return batch * row_tiles(size, keys);
     return (keys ? total_k : total_q) / size + num_seqs + 1;
+  }
+
+  // Tile slots of one row of a dense call. With runs, run j of a row owns the slots
+  // [start_j / size + j, start_{j + 1} / size + j + 1) (the packed rule inside the row), which
+  // hold its ceil(len / size) tiles; seqlen / size + runs_per_row slots cover every run a row may
+  // have, and also the ceil(seqlen / size) dense tiles of a row whose runs are not documents (the
+  // slots past them are empty).
+  JF_HOST_DEVICE int64_t row_tiles(int64_t size, bool keys) const {
+    const int64_t len = keys ? seqlen_k : seqlen_q;
+    return has_runs() ? len / size + runs_per_row : ceil_div(len, size);
   }
 
   JF_HOST_DEVICE SeqTile tile(int64_t t, int64_t size, bool keys) const {
     if (!varlen()) {
-      const int64_t per = ceil_div(keys ? seqlen_k : seqlen_q, size);
+      const int64_t per = row_tiles(size, keys);
       const int64_t n = per > 0 ? t / per : 0;
+      if (has_runs()) return row_tile(n, t - n * per, size);
       return {span(n), t - n * per};
     }
     // Largest n in [0, num_seqs] with slot_start(n) <= t; slot_start is increasing in n.
@@ -146,7 +178,48 @@ struct SeqLayout {
     return lo;
   }
 
+  // Slot `slot` of dense row `row` of a call with runs (row_tiles), searched one run at a time.
+  JF_HOST_DEVICE SeqTile row_tile(int64_t row, int64_t slot, int64_t size) const {
+    const int32_t* r = runs + row * runs_per_row;
+    if (r[0] == 0) return {span(row), slot};
+    int64_t j = 0, s0 = 0;
+    for (int64_t c = 1; c < runs_per_row; ++c) {
+      const int64_t s = run_start(r, c);
+      if (s / size + c <= slot) {
+        j = c;
+        s0 = s;
+      }
+    }
+    const int64_t s1 = j + 1 < runs_per_row ? run_start(r, j + 1) : seqlen_q;
+    return run_tile(row, s0, s1, slot - (s0 / size + j));
+  }
+
+  // Where a span's first row sits in the kernels' TMA maps: a dense call's maps are [batch,
+  // seqlen] (a document is at its position inside its row), a packed call's one sequence of all
+  // rows (its spans have batch 0).
+  JF_HOST_DEVICE int64_t map_row_q(const SeqSpan& s) const {
+    return s.q_start - s.batch * seqlen_q;
+  }
+  JF_HOST_DEVICE int64_t map_row_k(const SeqSpan& s) const {
+    return s.k_start - s.batch * seqlen_k;
+  }
+
 #if defined(__CUDACC__)
+  // row_tile() for a whole warp: every lane calls it, converged, with the same arguments, and gets
+  // the same tile; lane c reads run c's start, and a ballot finds the run (runs_per_row <= 32).
+  __device__ __forceinline__ SeqTile warp_row_tile(int64_t row, int64_t slot, int64_t size) const {
+    const int32_t* r = runs + row * runs_per_row;
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    const bool documents = r[0] != 0;
+    const int64_t s = lane == 0 ? 0 : (lane < runs_per_row ? run_start(r, lane) : seqlen_q);
+    if (!documents) return {span(row), slot};
+    const uint32_t at = __ballot_sync(0xffffffffu, lane < runs_per_row && s / size + lane <= slot);
+    const int j = 31 - __clz(static_cast<int>(at | 1u));
+    const int64_t s0 = __shfl_sync(0xffffffffu, s, j);
+    const int64_t next = __shfl_sync(0xffffffffu, s, (j + 1) & 31);
+    return run_tile(row, s0, j + 1 < runs_per_row ? next : seqlen_q, slot - (s0 / size + j));
+  }
+
   // tile() for a whole warp: every lane calls it, converged, with the same arguments, and gets
   // the same tile (a packed call's span found by span_of_slot with a warp ballot).
   __device__ __forceinline__ SeqTile warp_tile(int64_t t, int64_t size, bool keys) const {
@@ -166,6 +239,18 @@ struct SeqLayout {
     if (n > num_seqs) return total;
     return clamp64(cu[n], 0, total);
   }
+  // Run c's first position in a row's runs record, clamped to the row.
+  JF_HOST_DEVICE int64_t run_start(const int32_t* r, int64_t c) const {
+    return clamp64(r[c], 0, seqlen_q);
+  }
+  // Block `block` of the run [s0, s1) of dense row `row`: a span with the row's statistics.
+  JF_HOST_DEVICE SeqTile run_tile(int64_t row, int64_t s0, int64_t s1, int64_t block) const {
+    const int64_t len = s1 > s0 ? s1 - s0 : 0;
+    return {{row, row, row * seqlen_q + s0, row * seqlen_k + s0, len, len,
+             row * heads_q * seqlen_q + s0, seqlen_q},
+            block,
+            true};
+  }
   // The first tile slot of packed span n (see tiles()).
   JF_HOST_DEVICE int64_t slot_start(int64_t n, int64_t size, bool keys) const {
     return bound(keys ? cu_seqlens_k : cu_seqlens_q, n, keys ? total_k : total_q) / size + n;
@@ -179,9 +264,20 @@ struct SeqLayout {
       s.len_k = total_k - s.k_start;
       s.len_q = 0;
     }
-    return {s, t - slot_start(n, size, keys)};
+    return {s, t - slot_start(n, size, keys), true};
   }
 };
+
+// `l` with the documents of segment ids `s` (SegmentIds::runs), for the kernels that schedule
+// rows by them; `l` as it is where there are none or they cannot apply.
+JF_HOST_DEVICE SeqLayout with_runs(SeqLayout l, const SegmentIds& s) {
+  if (s.runs != nullptr && !l.varlen() && l.seqlen_q == l.seqlen_k && s.runs_per_row >= 1 &&
+      s.runs_per_row <= kMaxRunsPerRow) {
+    l.runs = s.runs;
+    l.runs_per_row = s.runs_per_row;
+  }
+  return l;
+}
 
 // The order in which a grid's CTAs take their tiles. A unit is what a CTA's tiles share through
 // L2 (one head of one sequence, or one head of a packed call: its K/V in the forward, its Q/dO in
@@ -297,6 +393,13 @@ struct LaunchOrder {
 #else
     if (layout.varlen()) return {head, layout.tile(index, size, keys)};
 #endif
+    if (layout.has_runs()) {
+#if defined(__CUDA_ARCH__)
+      return {head, layout.warp_row_tile(seq, index, size)};
+#else
+      return {head, layout.row_tile(seq, index, size)};
+#endif
+    }
     return {head, {layout.span(seq), index}};
   }
 

@@ -37,7 +37,7 @@ bool features_supported(const BwdParams& p) {
 
 bool params_supported(const BwdParams& p, DType dtype) {
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
-  const SeqLayout& l = p.layout;
+  const SeqLayout l = with_runs(p.layout, p.mask.segments);
   if (!sm90::common_params_supported(p, dtype)) return false;
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return false;
   // The kernel multiplies q.k by softmax_scale / softcap in float32.
@@ -93,7 +93,8 @@ template <typename T, int kHeadDim, bool kMasked, bool kSoftcap>
 cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
   using Tr = BwdWgmmaTraits<T, kHeadDim, kMasked, kSoftcap>;
   static_assert(Tr::kBlockM == block_m(kHeadDim) && Tr::kBlockN == block_n(kHeadDim));
-  const SeqLayout& l = p.layout;
+  // Segment ids that form documents schedule a row's key tiles by its documents.
+  const SeqLayout l = with_runs(p.layout, p.mask.segments);
   const int64_t dq_elems = l.rows_q() * p.heads_q * Tr::kD;
   if (const cudaError_t err = zero_dq_accum(p.dq_accum, dq_elems, stream); err != cudaSuccess) {
     return err;

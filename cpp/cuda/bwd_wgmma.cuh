@@ -278,22 +278,28 @@ struct BwdCtaTile {
   int m_first;  // first query tile (block index) whose rows may see a key of the tile
   int num_m;    // query tiles from m_first on that may
   int empty;    // the tile holds no key of its span: the CTA has nothing to do
+  int packed;   // SeqTile::packed
 };
+static_assert(sizeof(BwdCtaTile) <= 128, "BwdWgmmaTraits::kTileBytes");
 
-// The CTA's work for block index `cta` of the grid (key tiles of one kv head fastest).
-template <int kBlockM, int kBlockN>
+// The CTA's work for block index `cta` of the grid (key tiles of one kv head fastest). kRuns: the
+// kernel may schedule rows by their documents (only the kernels that take segment ids do).
+template <int kBlockM, int kBlockN, bool kRuns>
 JF_HOST_DEVICE BwdCtaTile bwd_cta_tile(const BwdWgmmaArgs& args, const Band& band, bool segments,
                                        int cta) {
   int64_t unit, level;
   args.order.locate(cta, unit, level);
   const int64_t tile = dq_launch_tile(level, args.order.per_unit, args.dq_semaphores != nullptr);
-  const SeqTile st = args.layout.tile(tile, kBlockN, true);
+  SeqLayout layout = args.layout;
+  if constexpr (!kRuns) layout.runs = nullptr;
+  const SeqTile st = layout.tile(tile, kBlockN, true);
   BwdCtaTile ct;
   ct.span = st.span;
   ct.mask = band.for_seq(st.span.len_q, st.span.len_k);
   ct.kv_range = IdRange{0, 0};
   ct.head_kv = static_cast<int>(unit);
   ct.empty = st.empty(kBlockN, true) ? 1 : 0;
+  ct.packed = st.packed ? 1 : 0;
   ct.n0 = 0;
   ct.m_first = 0;
   ct.num_m = 0;
@@ -307,7 +313,8 @@ JF_HOST_DEVICE BwdCtaTile bwd_cta_tile(const BwdWgmmaArgs& args, const Band& ban
     ct.m_first = static_cast<int>(r0 / kBlockM);
     ct.num_m = static_cast<int>((r1 + kBlockM - 1) / kBlockM - r0 / kBlockM);
   }
-  if (segments) {
+  // A document of a row scheduled by its runs sees only its own keys: no segment ids.
+  if (segments && !st.packed) {
     ct.kv_range = id_range_fixed<kBlockN / kSegmentChunk>(
         segment_row(args.segments.kv_ranges, st.span.batch, args.seg_stride_k), n0, n1);
   }
@@ -656,9 +663,16 @@ struct BwdDqRow {
   int row;
   int batch;
 };
-__device__ __forceinline__ BwdDqRow bwd_dq_row(const BwdCtaTile& ct, bool varlen, int m0) {
-  return {static_cast<int>((varlen ? ct.span.q_start : 0) + m0),
-          varlen ? 0 : static_cast<int>(ct.span.seq)};
+// `packed`: the call's layout is packed (SeqLayout::varlen); `runs`: the tile is a document of a
+// dense row (SeqTile::packed in a segment-id call), whose map row is its position in the row.
+__device__ __forceinline__ BwdDqRow bwd_dq_row(const BwdCtaTile& ct, bool packed, bool runs,
+                                               int64_t seqlen_q, int m0) {
+  if (runs) {
+    return {static_cast<int>(ct.span.q_start - ct.span.batch * seqlen_q + m0),
+            static_cast<int>(ct.span.batch)};
+  }
+  return {static_cast<int>((packed ? ct.span.q_start : 0) + m0),
+          packed ? 0 : static_cast<int>(ct.span.seq)};
 }
 
 // TMA reductions of kBoxes staged 32-column float32 boxes (8 KB apart from `src` on) into dQ
@@ -771,7 +785,9 @@ __device__ __forceinline__ void bwd_dq_writer_split(const CUtensorMap* tm_dq, ui
       if ((flags & kPairZeroRows) == 0) {
         const int m0 = hdr->m0;
         const int head = hdr->head;
-        const BwdDqRow at = bwd_dq_row(*cta_tile, args.layout.varlen(), m0);
+        const BwdDqRow at =
+            bwd_dq_row(*cta_tile, args.layout.varlen(),
+                       args.segments.enabled() && cta_tile->packed != 0, args.layout.seqlen_q, m0);
         if (args.dq_semaphores != nullptr) {
           sem = args.dq_semaphores + hdr->dq_offset / Tr::kD * kDqCounters + cw;
           dq_turn_wait(sem, dq_ticket(cta_tile->mask, m0, hdr->rows, cta_tile->n0, Tr::kBlockN));
@@ -851,7 +867,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // fold the band's arithmetic.
   const Band band = kMasked ? args.band : Band{};
 
-  const bool segments = kMasked && args.segments.enabled();
+  // Segment ids of the call; a CTA whose key tile is one document of a row scheduled by its runs
+  // does without them (`segments` below).
+  const bool segment_call = kMasked && args.segments.enabled();
 
   if (threadIdx.x == 0) {
     // K / V: lane 0 of the producer warp with the TMA byte count, lanes 1..31 after writing the
@@ -870,7 +888,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 128 * Tr::kConsumerWarpgroups + (Tr::kSplitQ ? Tr::kConsumerWarpgroups : 0));
     }
     fence_barrier_init();
-    *cta_tile = bwd_cta_tile<kBlockM, kBlockN>(args, band, segments, static_cast<int>(blockIdx.x));
+    *cta_tile = bwd_cta_tile<kBlockM, kBlockN, kMasked>(args, band, segment_call,
+                                                        static_cast<int>(blockIdx.x));
   }
   __syncthreads();
   if (cta_tile->empty) return;
@@ -879,7 +898,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int tid = static_cast<int>(threadIdx.x) % 128;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const bool varlen = args.layout.varlen();
+  // Rows past the span's end are a neighbour's (packed calls, documents of a row).
+  // A tile that is one document of a row scheduled by its runs (segment-id calls only: without
+  // segment ids the kernel's code is that of the dense and packed layouts alone).
+  const bool runs_tile = segment_call && warp_uniform(cta_tile->packed) != 0;
+  const bool packed_layout = args.layout.varlen();
+  const bool varlen = packed_layout || runs_tile;
+  const bool segments = segment_call && !runs_tile;
+  // The first row of the tile's span in the TMA maps (dense maps: inside its batch row).
+  const auto map_row = [&](int64_t start, int64_t seqlen) {
+    if (runs_tile) return static_cast<int>(start - cta_tile->span.batch * seqlen);
+    return packed_layout ? static_cast<int>(start) : 0;
+  };
   const int n_iters = cta_tile->num_m * args.group;
 
   if (warpgroup == 0) {
@@ -905,15 +935,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const BwdCtaTile& ct = *cta_tile;
     // Dense: 4-D maps [batch, seqlen, heads, D], whose rows past a sequence read as zeros.
     // Packed: [rows, heads, D] maps addressed by the span's rows.
-    const auto q_row0 = [&] { return varlen ? static_cast<int>(ct.span.q_start) : 0; };
-    const auto tma_batch = [&] { return varlen ? 0 : static_cast<int>(ct.span.seq); };
+    const auto q_row0 = [&] { return map_row(ct.span.q_start, args.layout.seqlen_q); };
+    const auto tma_batch = [&] { return packed_layout ? 0 : static_cast<int>(ct.span.seq); };
     if (lane == 0) {
       prefetch_tensormap(&tm_q);
       prefetch_tensormap(&tm_k);
       prefetch_tensormap(&tm_v);
       prefetch_tensormap(&tm_do);
       mbar_arrive_expect_tx(bar_kv, 2 * Tr::kKVBytes);
-      const int k_row = (varlen ? static_cast<int>(ct.span.k_start) : 0) + ct.n0;
+      const int k_row = map_row(ct.span.k_start, args.layout.seqlen_k) + ct.n0;
 #pragma unroll
       for (int p = 0; p < Tr::kPanels; ++p) {
         tma_load_4d(k_smem + p * Tr::kKVPanelBytes, &tm_k, bar_kv, p * Tr::kPanelCols, ct.head_kv,
@@ -1350,7 +1380,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (ctid % 128 == 0) {
               BwdDqHandoff* const h =
                   reinterpret_cast<BwdDqHandoff*>(smem + Tr::kHandoffOffset) + ctid / 128;
-              const BwdDqRow at = bwd_dq_row(*cta_tile, varlen, m0 + Tr::dq_row0(ctid / 128));
+              const BwdDqRow at = bwd_dq_row(*cta_tile, packed_layout, runs_tile,
+                                             args.layout.seqlen_q, m0 + Tr::dq_row0(ctid / 128));
               h->sem = dq_offset / kD * kDqCounters + ctid / 128;
               h->row = at.row;
               h->batch = at.batch;
@@ -1366,7 +1397,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (ctid % 32 == 0) {
               dq_reduce_boxes<Tr::kDqBoxes, Tr::kDqBoxRows, 1>(
                   &tm_dq, tc::smem_addr(stage_dq), Tr::dq_col0(ctid / 128), head,
-                  bwd_dq_row(*cta_tile, varlen, m0 + Tr::dq_row0(ctid / 128)), ctid % 128 / 32);
+                  bwd_dq_row(*cta_tile, packed_layout, runs_tile, args.layout.seqlen_q,
+                             m0 + Tr::dq_row0(ctid / 128)),
+                  ctid % 128 / 32);
               tma_commit();
             }
           }
@@ -1441,8 +1474,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
     if (tid == 0) {
       const int row =
-          static_cast<int>((varlen ? cta_tile->span.k_start : 0) + cta_tile->n0) + key_row0;
-      const int batch = varlen ? 0 : static_cast<int>(cta_tile->span.seq);
+          map_row(cta_tile->span.k_start, args.layout.seqlen_k) + cta_tile->n0 + key_row0;
+      const int batch = packed_layout ? 0 : static_cast<int>(cta_tile->span.seq);
 #pragma unroll
       for (int p = 0; p < kDkCols / Tr::kPanelCols; ++p) {
         const int panel = col0 / Tr::kPanelCols + p;

@@ -39,9 +39,10 @@ bool layout_supported(const FwdParams& p) {
              l.seqlen_k < 0 || l.seqlen_k > kIntMax) {
     return false;
   }
-  // 128 is the smallest query tile of the family, so this bounds every grid.
-  const int64_t tiles =
-      l.varlen() ? l.total_q / 128 + l.num_seqs + 1 : l.batch * ((l.seqlen_q + 127) / 128);
+  // 128 is the smallest query tile of the family, so this bounds every grid (a row's documents
+  // add at most kMaxRunsPerRow slots).
+  const int64_t tiles = l.varlen() ? l.total_q / 128 + l.num_seqs + 1
+                                   : l.batch * ((l.seqlen_q + 127) / 128 + kMaxRunsPerRow);
   return tiles <= kIntMax / std::max<int64_t>(p.heads_q, 1);
 }
 
@@ -51,7 +52,7 @@ bool mask_supported(const FwdParams& p) {
   if (m.sinks != nullptr && !aligned(m.sinks, 4)) return false;
   const SegmentIds& s = m.segments;
   return !s.enabled() || (aligned(s.q_ids, 4) && aligned(s.kv_ids, 4) && aligned(s.q_ranges, 4) &&
-                          aligned(s.kv_ranges, 4));
+                          aligned(s.kv_ranges, 4) && aligned(s.runs, 4));
 }
 
 bool params_supported(const FwdParams& p, DType dtype) {
@@ -75,7 +76,8 @@ int64_t visible_keys(const FwdParams& p) {
 template <typename T, int kHeadDim, FwdMask kMask, bool kSoftcap, bool kLongKeys>
 cudaError_t launch(const FwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
   using Tr = FwdWgmmaTraits<T, kHeadDim, kMask, kSoftcap, kLongKeys>;
-  const SeqLayout& l = p.layout;
+  // Segment ids that form documents schedule a row's tiles by its documents.
+  const SeqLayout l = with_runs(p.layout, p.mask.segments);
   // Dense: [batch, seqlen, heads, D] maps. Packed: the [rows, heads, D] views as one sequence.
   const int64_t map_batch = l.varlen() ? 1 : l.batch;
   const int64_t q_rows = l.varlen() ? l.total_q : l.seqlen_q;
@@ -98,10 +100,10 @@ cudaError_t launch(const FwdParams& p, CUtensorMapDataType type, cudaStream_t st
   args.sinks_batch_stride = p.mask.sinks_batch_stride;
   args.heads_q = static_cast<int>(p.heads_q);
   args.group = static_cast<int>(p.heads_q / p.heads_kv);
-  args.order = launch_order(
-      l, p.mask, l.varlen() ? p.heads_q : l.batch * p.heads_q,
-      l.varlen() ? l.tiles(Tr::kBlockM, false) : (l.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, true,
-      kHeadDim * 2 * int64_t{sizeof(T)}, args.group, p.heads_q);
+  args.order =
+      launch_order(l, p.mask, l.varlen() ? p.heads_q : l.batch * p.heads_q,
+                   l.varlen() ? l.tiles(Tr::kBlockM, false) : l.row_tiles(Tr::kBlockM, false), true,
+                   kHeadDim * 2 * int64_t{sizeof(T)}, args.group, p.heads_q);
   args.scale_log2 = static_cast<float>(p.softmax_scale * kLog2e);
   if constexpr (kSoftcap) {
     args.softcap_scale = static_cast<float>(p.softmax_scale / p.mask.softcap);

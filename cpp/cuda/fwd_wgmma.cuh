@@ -48,8 +48,8 @@ struct FwdWgmmaArgs {
   SegmentIds segments;  // dense calls only
   const float* sinks;   // [batch, heads_q] (stride sinks_batch_stride), natural log; or nullptr
   int64_t sinks_batch_stride;
-  // Units: (sequence, head) dense, head packed; levels: query tiles (of one sequence dense,
-  // layout.tiles(kBlockM, false) packed).
+  // Units: (sequence, head) dense, head packed; levels: query tiles (layout.row_tiles(kBlockM,
+  // false) dense, layout.tiles(kBlockM, false) packed).
   LaunchOrder order;
   int heads_q;
   int group;            // heads_q / heads_kv: query heads sharing one K/V head
@@ -465,7 +465,8 @@ __device__ __forceinline__ SeqTile warp_uniform(const SeqTile& x) {
   return {{warp_uniform(s.seq), warp_uniform(s.batch), warp_uniform(s.q_start),
            warp_uniform(s.k_start), warp_uniform(s.len_q), warp_uniform(s.len_k),
            warp_uniform(s.stat_start), warp_uniform(s.stat_head)},
-          warp_uniform(x.block)};
+          warp_uniform(x.block),
+          warp_uniform(static_cast<int>(x.packed)) != 0};
 }
 
 // Logit soft-capping, first half: S = tanh(softmax_scale / softcap * q.k). The factor
@@ -633,22 +634,18 @@ __device__ __forceinline__ void issue_pv(float (&o)[Tr::kD / 2],
   wgmma_rs_mn<Tr::kD, Tr::kBlockN / 16, typename Tr::Element>(o, p, v_desc);
 }
 
-#endif  // JAX_FLASH_SM90A
-
-// One CTA per (kBlockM-row query tile, query head). Dense calls enumerate the query tiles of one
-// (batch element, head) fastest, packed calls the tile slots of all sequences of one head (the
-// scheduler's order), so that the CTAs running together share K/V in L2. Warpgroup 0 is the TMA
-// producer, the others the consumers.
-template <class Tr>
-__global__ void __launch_bounds__(Tr::kThreads, 1)
-    fwd_wgmma_kernel(const FwdWgmmaArgs args, const __grid_constant__ CUtensorMap tm_q,
-                     const __grid_constant__ CUtensorMap tm_k,
-                     const __grid_constant__ CUtensorMap tm_v,
-                     const __grid_constant__ CUtensorMap tm_o) {
-#if JAX_FLASH_SM90A
+// One CTA's work: query tile `work.tile` of head `work.head`. kSegOn: the tile's rows and keys
+// are matched by segment id element by element (a dense row's tile in a segment-id call); off for
+// every other tile, the documents of rows scheduled by their runs included.
+template <class Tr, bool kSegOn>
+__device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const CtaWork& work,
+                                               const CUtensorMap& tm_q, const CUtensorMap& tm_k,
+                                               const CUtensorMap& tm_v, const CUtensorMap& tm_o) {
   using T = typename Tr::Element;
   constexpr bool kBand = Tr::kBand;
-  constexpr bool kSegments = Tr::kSegments;
+  constexpr bool kSegments = kSegOn;
+  // A segment-id kernel's tile that is one document of a row scheduled by its runs.
+  constexpr bool kDocument = Tr::kSegments && !kSegOn;
   constexpr int kD = Tr::kD;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
@@ -656,15 +653,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   // ------------------------------------------------------------------ which tile
   const SeqLayout& layout = args.layout;
-  const bool varlen = layout.varlen();
-  // Banded tiles near a sequence's end visit the most key blocks (causal): launch them first.
-  const CtaWork work = args.order.work(layout, blockIdx.x, kBand, kBlockM, false);
   // The tile's span, as the compiler sees warp-uniform values (packed spans are read from
   // cu_seqlens): branches on them then need no divergence guards around later shuffles, and the
   // values can live in uniform registers instead of the consumers' accumulator registers.
   const int head = warp_uniform(static_cast<int>(work.head));
   const SeqTile tile = warp_uniform(work.tile);
   const SeqSpan& span = tile.span;
+  // Rows past the span's end are a neighbour's (packed calls, documents of a row).
+  const bool varlen = kDocument || layout.varlen();
   // The spare slot of a packed span holds no query row: its CTA runs with len_q = 0, so it visits
   // nothing and stores nothing (an early exit would also make the compiler guard every shuffle).
   const bool no_rows = tile.empty(kBlockM, false);
@@ -680,11 +676,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int first_block = static_cast<int>(key_lo / kBlockN);
   const int last_block =
       key_hi > key_lo ? static_cast<int>((key_hi + kBlockN - 1) / kBlockN) : first_block;
-  // TMA coordinates: a dense map has a batch axis (rows past a sequence read as zeros), a packed
-  // map one sequence of all rows, addressed from the span's first row.
-  const int q_row0 = static_cast<int>(varlen ? span.q_start + m0 : m0);
-  const int k_row0 = static_cast<int>(varlen ? span.k_start : 0);
-  const int map_batch = static_cast<int>(varlen ? 0 : span.seq);
+  // TMA coordinates: a dense map has a batch axis (rows past a row's end read as zeros; a
+  // document sits at its position in its row), a packed map one sequence of all rows, addressed
+  // from the span's first row.
+  const int q_row0 =
+      static_cast<int>(kDocument ? layout.map_row_q(span) + m0 : (varlen ? span.q_start + m0 : m0));
+  const int k_row0 =
+      static_cast<int>(kDocument ? layout.map_row_k(span) : (varlen ? span.k_start : 0));
+  const int map_batch = static_cast<int>(kDocument || !varlen ? span.seq : 0);
   // Segment ids (dense calls only): this batch row's ids and chunk summaries.
   const int32_t* q_ranges = nullptr;
   const int32_t* kv_ranges = nullptr;
@@ -1079,6 +1078,38 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
     }
   }
+}
+
+#endif  // JAX_FLASH_SM90A
+
+// One CTA per (kBlockM-row query tile, query head). Dense calls enumerate the query tiles of one
+// (batch element, head) fastest (with runs: the row's tile slots), packed calls the tile slots of
+// all sequences of one head (the scheduler's order), so that the CTAs running together share K/V
+// in L2. Warpgroup 0 is the TMA producer, the others the consumers (fwd_wgmma_tile).
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    fwd_wgmma_kernel(const FwdWgmmaArgs args, const __grid_constant__ CUtensorMap tm_q,
+                     const __grid_constant__ CUtensorMap tm_k,
+                     const __grid_constant__ CUtensorMap tm_v,
+                     const __grid_constant__ CUtensorMap tm_o) {
+#if JAX_FLASH_SM90A
+  // Banded tiles near a sequence's end visit the most key blocks (causal): launch them first.
+  // Only the segment-id kernels schedule rows by their documents.
+  SeqLayout layout = args.layout;
+  if constexpr (!Tr::kSegments) layout.runs = nullptr;
+  const CtaWork work = args.order.work(layout, blockIdx.x, Tr::kBand, Tr::kBlockM, false);
+  if constexpr (Tr::kSegments) {
+    if (args.layout.has_runs()) {
+      // A row's slots past its tiles hold nothing: they leave before any set-up. A document of a
+      // row scheduled by its runs sees only its own keys, so its tile needs no segment ids.
+      if (work.tile.empty(Tr::kBlockM, false)) return;
+      if (work.tile.packed) {
+        fwd_wgmma_tile<Tr, false>(args, work, tm_q, tm_k, tm_v, tm_o);
+        return;
+      }
+    }
+  }
+  fwd_wgmma_tile<Tr, Tr::kSegments>(args, work, tm_q, tm_k, tm_v, tm_o);
 #else
   // A device pass without the sm_90a instructions (the host never launches it there).
   __trap();

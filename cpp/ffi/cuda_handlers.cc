@@ -6,6 +6,7 @@
 
 #include "cuda/decode.h"
 #include "cuda/launch.h"
+#include "cuda/segment_summaries.h"
 #include "ffi/decode_shapes.h"
 #include "ffi/handlers.h"
 #include "ffi/shapes.h"
@@ -61,6 +62,50 @@ ffi::Error bwd_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                      "attention backward launch");
 }
 
+// Length of the last axis and the product of the others (the folded batch) of an id array.
+bool rows_of(const ffi::AnyBuffer& ids, int64_t& batch, int64_t& seqlen) {
+  const auto dims = ids.dimensions();
+  if (dims.size() < 1 || ids.element_type() != ffi::DataType::S32) return false;
+  seqlen = dims.back();
+  batch = seqlen > 0 ? static_cast<int64_t>(ids.element_count()) / seqlen : 0;
+  return seqlen > 0;
+}
+
+// The segment-id summaries every CUDA attention kernel reads, for the calls that follow on the
+// stream: the chunk records of the query and key ids and, with runs_per_row > 0, the rows'
+// documents (cuda/segment_summaries.h).
+ffi::Error segments_cuda(cudaStream_t stream, ffi::AnyBuffer q_ids, ffi::AnyBuffer kv_ids,
+                         ffi::Result<ffi::AnyBuffer> q_ranges,
+                         ffi::Result<ffi::AnyBuffer> kv_ranges, ffi::Result<ffi::AnyBuffer> runs,
+                         int64_t runs_per_row) {
+  cuda::SegmentSummaryParams p{};
+  int64_t batch_k = 0;
+  if (!rows_of(q_ids, p.batch, p.seqlen_q) || !rows_of(kv_ids, batch_k, p.seqlen_k) ||
+      batch_k != p.batch) {
+    return invalid("segment ids must be int32 [..., seqlen] with the same leading axes");
+  }
+  if (runs_per_row < 0 || runs_per_row > kMaxRunsPerRow ||
+      (runs_per_row > 0 && p.seqlen_q != p.seqlen_k)) {
+    return invalid("runs_per_row must be 0, or 1 .. 32 with seqlen_q == seqlen_k");
+  }
+  for (ffi::Error e :
+       {expect_buffer(*q_ranges, ffi::DataType::S32,
+                      p.batch * segment_chunks(p.seqlen_q) * kSegmentRecord, "q_segment_ranges"),
+        expect_buffer(*kv_ranges, ffi::DataType::S32,
+                      p.batch * segment_chunks(p.seqlen_k) * kSegmentRecord, "kv_segment_ranges"),
+        expect_buffer(*runs, ffi::DataType::S32, p.batch * (runs_per_row > 0 ? runs_per_row : 1),
+                      "segment_runs")}) {
+    if (e.failure()) return e;
+  }
+  p.q_ids = static_cast<const int32_t*>(q_ids.untyped_data());
+  p.kv_ids = static_cast<const int32_t*>(kv_ids.untyped_data());
+  p.q_ranges = static_cast<int32_t*>(q_ranges->untyped_data());
+  p.kv_ranges = static_cast<int32_t*>(kv_ranges->untyped_data());
+  p.runs = runs_per_row > 0 ? static_cast<int32_t*>(runs->untyped_data()) : nullptr;
+  p.runs_per_row = runs_per_row;
+  return cuda_status(cuda::segment_summaries(p, stream), "segment summaries launch");
+}
+
 // The partials are XLA-owned outputs (placeholders when num_splits == 1), so the launch neither
 // allocates nor synchronises.
 ffi::Error decode_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -105,6 +150,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashBwdCuda, jax_flash::ffi_glue::bwd_cuda,
                                   .Ret<xla::ffi::AnyBuffer>()  // dq_accum fp32 scratch
                                   .Ret<xla::ffi::AnyBuffer>()  // dq_semaphores int32 scratch
                                   .Attrs<xla::ffi::Dictionary>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashSegmentsCuda, jax_flash::ffi_glue::segments_cuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // q_ids  int32 [..., Sq]
+                                  .Arg<xla::ffi::AnyBuffer>()  // kv_ids int32 [..., Sk]
+                                  .Ret<xla::ffi::AnyBuffer>()  // q_ranges [..., chunks, 4]
+                                  .Ret<xla::ffi::AnyBuffer>()  // kv_ranges [..., chunks, 4]
+                                  .Ret<xla::ffi::AnyBuffer>()  // runs [..., runs_per_row] or [1]
+                                  .Attr<int64_t>("runs_per_row"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashDecodeCuda, jax_flash::ffi_glue::decode_cuda,

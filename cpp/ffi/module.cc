@@ -51,6 +51,7 @@ NB_MODULE(_jax_flash, m) {
     out["jax_flash_fwd_cuda"] = nb::make_tuple(capsule(JaxFlashFwdCuda), "CUDA");
     out["jax_flash_bwd_cuda"] = nb::make_tuple(capsule(JaxFlashBwdCuda), "CUDA");
     out["jax_flash_decode_cuda"] = nb::make_tuple(capsule(JaxFlashDecodeCuda), "CUDA");
+    out["jax_flash_segments_cuda"] = nb::make_tuple(capsule(JaxFlashSegmentsCuda), "CUDA");
 #endif
     return out;
   });

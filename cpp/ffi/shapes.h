@@ -119,6 +119,7 @@ enum Extra : size_t {
   kSinks,            // float32 (float64 for f64 inputs) [batch, heads_q], or [heads_q] packed
   kCuSeqlensQ,       // int32 [num_seqs + 1]
   kCuSeqlensK,       // int32 [num_seqs + 1]
+  kSegmentRuns,      // int32 [batch, segment_runs]: the rows' documents (SeqLayout::runs)
   kNumExtras,
 };
 
@@ -146,6 +147,7 @@ struct Options {
   int64_t max_seqlen_q;    // -1: not given
   int64_t max_seqlen_k;
   bool has_segments;
+  int64_t segment_runs;  // 0: no documents given; else runs per row of the kSegmentRuns input
   bool has_sinks;
   bool varlen;
   bool deterministic;  // backward: add dQ contributions in a fixed order (CUDA)
@@ -173,6 +175,7 @@ inline ffi::ErrorOr<Options> decode_options(const ffi::Dictionary& attrs) {
   read(o.max_seqlen_q, "max_seqlen_q");
   read(o.max_seqlen_k, "max_seqlen_k");
   read(o.has_segments, "has_segments");
+  read(o.segment_runs, "segment_runs");
   read(o.has_sinks, "has_sinks");
   read(o.varlen, "varlen");
   read(o.deterministic, "deterministic");
@@ -191,6 +194,11 @@ inline ffi::ErrorOr<Options> decode_options(const ffi::Dictionary& attrs) {
   }
   if (o.max_seqlen_q < -1 || o.max_seqlen_k < -1) {
     return ffi::Unexpected(invalid("max_seqlen_q/k must be -1 (not given) or >= 0"));
+  }
+  if (o.segment_runs < 0 || o.segment_runs > kMaxRunsPerRow ||
+      (o.segment_runs > 0 && !o.has_segments)) {
+    return ffi::Unexpected(
+        invalid("segment_runs must be 0, or 1 .. 32 with segment ids (runs per row)"));
   }
   if (o.varlen && o.has_segments) {
     return ffi::Unexpected(invalid("segment ids are not supported with cu_seqlens"));
@@ -268,6 +276,20 @@ inline ffi::Error decode_mask(const ffi::RemainingArgs& extras, const Options& o
     m.segments.kv_ids = static_cast<const int32_t*>(kv_ids->untyped_data());
     m.segments.q_ranges = static_cast<const int32_t*>(q_rng->untyped_data());
     m.segments.kv_ranges = static_cast<const int32_t*>(kv_rng->untyped_data());
+    if (o.segment_runs > 0) {
+      auto runs = extra(extras, kSegmentRuns);
+      if (runs.has_error()) return runs.error();
+      if (d.seqlen_q != d.seqlen_k) {
+        return invalid("segment_runs needs seqlen_q == seqlen_k");
+      }
+      if (auto e =
+              expect_buffer(*runs, ffi::DataType::S32, d.batch * o.segment_runs, "segment_runs");
+          e.failure()) {
+        return e;
+      }
+      m.segments.runs = static_cast<const int32_t*>(runs->untyped_data());
+      m.segments.runs_per_row = o.segment_runs;
+    }
   }
   if (o.has_sinks) {
     auto sinks = extra(extras, kSinks);

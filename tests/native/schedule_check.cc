@@ -7,6 +7,8 @@
 // - LaunchOrder::work gives the head and tile the int64 arithmetic gives, dense and packed;
 // - SeqLayout::span_of_slot (the GPU kernels' 32-lane span search), voting by a loop over the
 //   lanes, finds the span tile()'s binary search finds, for up to 3000 sequences (three rounds);
+// - SeqLayout's documents of dense rows (runs): every position in exactly one tile, each tile
+//   inside one run;
 // - launch_group stays within [1, min(kMaxLaunchGroup, units)] and is 1 for equal-work tiles;
 // - id_range_fixed equals id_range for every range it is given (chunk-aligned starts, ends
 //   anywhere up to kChunks chunks later, empty ranges included).
@@ -259,6 +261,80 @@ bool check_ranges(std::mt19937& rng) {
   return true;
 }
 
+// The documents of a dense row (SeqLayout::runs): for random rows of runs, some of them marked as
+// not documents, SeqLayout::tile over all tiles(size, keys) slots covers every position of every
+// row exactly once; a documents row's tiles each lie inside one run, whose span has the run's
+// rows, the row's statistics and `packed` set; any other row's tiles are its dense tiles.
+bool check_runs(std::mt19937& rng) {
+  for (int trial = 0; trial < 300; ++trial) {
+    const int64_t batch = 1 + static_cast<int64_t>(rng() % 3);
+    const int64_t seqlen = 1 + static_cast<int64_t>(rng() % 700);
+    const int64_t per_row = 1 + static_cast<int64_t>(rng() % jax_flash::kMaxRunsPerRow);
+    const int64_t size = int64_t{16} << (rng() % 4);
+    std::vector<int32_t> runs(static_cast<size_t>(batch * per_row));
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t count = 1 + static_cast<int64_t>(rng() % per_row);
+      std::vector<int32_t> cuts;
+      for (int64_t j = 1; j < count; ++j) cuts.push_back(static_cast<int32_t>(rng() % seqlen));
+      std::sort(cuts.begin(), cuts.end());
+      runs[b * per_row] = rng() % 4 != 0 ? 1 : 0;
+      for (int64_t j = 1; j < per_row; ++j) {
+        runs[b * per_row + j] =
+            j < count ? cuts[static_cast<size_t>(j - 1)] : static_cast<int32_t>(seqlen);
+      }
+    }
+    jax_flash::SeqLayout l;
+    l.batch = batch;
+    l.seqlen_q = l.seqlen_k = seqlen;
+    l.heads_q = 3;
+    l.runs = runs.data();
+    l.runs_per_row = per_row;
+    std::vector<int> covered(static_cast<size_t>(batch * seqlen), 0);
+    for (int64_t t = 0; t < l.tiles(size, false); ++t) {
+      const jax_flash::SeqTile tile = l.tile(t, size, false);
+      const jax_flash::SeqSpan& s = tile.span;
+      const int64_t b = s.batch;
+      if (tile.empty(size, false)) continue;
+      const bool documents = runs[b * per_row] != 0;
+      const int64_t start = s.q_start - b * seqlen;
+      if (tile.packed != documents || s.k_start != s.q_start || s.len_k != s.len_q ||
+          s.stat_start != b * 3 * seqlen + start || s.stat_head != seqlen ||
+          (!documents && (start != 0 || s.len_q != seqlen))) {
+        std::printf("runs: wrong span for slot %lld\n", static_cast<long long>(t));
+        return false;
+      }
+      if (documents) {
+        // The span must be one whole run of the row.
+        bool run = start == 0;
+        for (int64_t j = 1; j < per_row; ++j) run = run || runs[b * per_row + j] == start;
+        const int64_t end = start + s.len_q;
+        bool ends = end == seqlen;
+        for (int64_t j = 1; j < per_row; ++j) ends = ends || runs[b * per_row + j] == end;
+        for (int64_t j = 1; j < per_row; ++j) {
+          const int64_t c = runs[b * per_row + j];
+          if (c > start && c < end) run = false;
+        }
+        if (!run || !ends) {
+          std::printf("runs: slot %lld is not one run\n", static_cast<long long>(t));
+          return false;
+        }
+      }
+      const int64_t r0 = start + tile.block * size;
+      const int64_t r1 = std::min(start + s.len_q, r0 + size);
+      for (int64_t r = r0; r < r1; ++r) ++covered[static_cast<size_t>(b * seqlen + r)];
+    }
+    for (int c : covered) {
+      if (c != 1) {
+        std::printf("runs: a position covered %d times (batch %lld, seqlen %lld, %lld runs)\n", c,
+                    static_cast<long long>(batch), static_cast<long long>(seqlen),
+                    static_cast<long long>(per_row));
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 int main() {
@@ -272,6 +348,8 @@ int main() {
     }
   }
   if (!check_fast_div() || !check_work() || !check_span_search()) return 1;
+  std::mt19937 runs_rng(5);
+  if (!check_runs(runs_rng)) return 1;
   for (int64_t units = 1; units <= 64; ++units) {
     for (int64_t bytes :
          {int64_t{0}, int64_t{1}, int64_t{1} << 20, int64_t{8} << 20, int64_t{64} << 20}) {
@@ -295,9 +373,8 @@ int main() {
     }
   }
   std::printf(
-      "schedule: %lld launch orders, FastDiv, work, the span search, the chunk ranges and their "
-      "reaches check "
-      "out\n",
+      "schedule: %lld launch orders, FastDiv, work, the span search, the rows' documents, the "
+      "chunk ranges and their reaches check out\n",
       static_cast<long long>(orders));
   return 0;
 }

@@ -1,0 +1,181 @@
+// The summaries of a segment-id call's ids that every CUDA kernel reads (common/mask.h
+// kSegmentRecord chunk records, common/schedule.h SeqLayout::runs), computed on the device in one
+// launch: one CTA per batch row, one thread per chunk of kSegmentChunk positions, block-wide scans
+// for the reaches and the run count. XLA computes the same summaries with about a dozen small
+// kernels, cumulative reductions among them, whose launches cost more than the attention kernel's
+// own start-up on a 16k row.
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "common/mask.h"
+#include "common/schedule.h"
+#include "cuda/segment_summaries.h"
+
+namespace jax_flash::cuda {
+namespace {
+
+constexpr int kThreads = 1024;  // chunks per pass: kThreads * kSegmentChunk positions
+constexpr int kWarps = kThreads / 32;
+
+struct MinOp {
+  __device__ int operator()(int a, int b) const { return a < b ? a : b; }
+};
+struct MaxOp {
+  __device__ int operator()(int a, int b) const { return a > b ? a : b; }
+};
+struct AddOp {
+  __device__ int operator()(int a, int b) const { return a + b; }
+};
+
+// Inclusive scan of x over the block's threads in thread order (kReverse: from the last thread
+// down), combined with `carry` (the scan of the earlier passes); every thread gets its value, and
+// `total` the scan over all threads with the carry. `scratch` holds kWarps ints; the call begins
+// and ends with a barrier, so consecutive scans may share it.
+template <bool kReverse, class Op>
+__device__ int block_scan(int x, int carry, Op op, int* scratch, int& total) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int warp = static_cast<int>(threadIdx.x / 32);
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int y =
+        kReverse ? __shfl_down_sync(0xffffffffu, x, d) : __shfl_up_sync(0xffffffffu, x, d);
+    if (kReverse ? lane + d < 32 : lane >= d) x = op(x, y);
+  }
+  __syncthreads();
+  if (lane == (kReverse ? 0 : 31)) scratch[warp] = x;
+  __syncthreads();
+  int before = carry;
+  int all = carry;
+  for (int w = 0; w < kWarps; ++w) {
+    const int s = scratch[w];
+    all = op(all, s);
+    if (kReverse ? w > warp : w < warp) before = op(before, s);
+  }
+  total = all;
+  return op(before, x);
+}
+
+// One batch row. Positions past a row's end repeat its last id (which widens no range), as the
+// Python definition pads.
+__global__ void __launch_bounds__(kThreads) segment_summaries_kernel(const SegmentSummaryParams p) {
+  __shared__ int scratch[kWarps];
+  const int64_t b = blockIdx.x;
+  const int32_t* const q_ids = p.q_ids + b * p.seqlen_q;
+  const int32_t* const kv_ids = p.kv_ids + b * p.seqlen_k;
+  int32_t* const q_rec = p.q_ranges + b * segment_chunks(p.seqlen_q) * kSegmentRecord;
+  int32_t* const kv_rec = p.kv_ranges + b * segment_chunks(p.seqlen_k) * kSegmentRecord;
+  const bool runs = p.runs != nullptr;
+  int32_t* const run_row = runs ? p.runs + b * p.runs_per_row : nullptr;
+
+  // Key ids, first to last: each chunk's (min, max) and the prefix reach. With runs (seqlen_q ==
+  // seqlen_k), also where the query ids' runs start and whether the key ids differ from them.
+  const int64_t kv_chunks = segment_chunks(p.seqlen_k);
+  int reach_lo = INT_MAX, reach_hi = INT_MIN, run_count = 0;
+  bool differs = false;
+  for (int64_t c0 = 0; c0 < kv_chunks; c0 += kThreads) {
+    const int64_t c = c0 + threadIdx.x;
+    int lo = INT_MAX, hi = INT_MIN;
+    uint32_t starts = 0;  // bit i: position 16c + i (> 0) starts a run of the query ids
+    if (c < kv_chunks) {
+      for (int i = 0; i < kSegmentChunk; ++i) {
+        const int64_t pos = c * kSegmentChunk + i;
+        const int32_t id = kv_ids[pos < p.seqlen_k ? pos : p.seqlen_k - 1];
+        lo = min(lo, id);
+        hi = max(hi, id);
+        if (runs && pos < p.seqlen_k) {
+          const int32_t qid = q_ids[pos];
+          differs = differs || qid != id;
+          if (pos > 0 && qid != q_ids[pos - 1]) starts |= 1u << i;
+        }
+      }
+    }
+    int all_lo, all_hi, all_runs;
+    const int pre_lo = block_scan<false>(lo, reach_lo, MinOp{}, scratch, all_lo);
+    const int pre_hi = block_scan<false>(hi, reach_hi, MaxOp{}, scratch, all_hi);
+    if (c < kv_chunks) {
+      *reinterpret_cast<int4*>(kv_rec + c * kSegmentRecord) = make_int4(lo, hi, pre_lo, pre_hi);
+    }
+    reach_lo = all_lo;
+    reach_hi = all_hi;
+    if (runs) {
+      const int mine = __popc(starts);
+      // Run index of this chunk's first start: 1 + the starts before it.
+      int after = block_scan<false>(mine, run_count, AddOp{}, scratch, all_runs) - mine + 1;
+      for (; starts != 0u; starts &= starts - 1u, ++after) {
+        if (after < p.runs_per_row) {
+          run_row[after] = static_cast<int32_t>(c * kSegmentChunk + __ffs(starts) - 1);
+        }
+      }
+      run_count = all_runs;
+    }
+  }
+
+  // Query ids, last to first: each chunk's (min, max) and the suffix reach.
+  const int64_t q_chunks = segment_chunks(p.seqlen_q);
+  reach_lo = INT_MAX;
+  reach_hi = INT_MIN;
+  for (int64_t top = q_chunks; top > 0; top -= kThreads) {
+    const int64_t c = top - kThreads + static_cast<int64_t>(threadIdx.x);
+    int lo = INT_MAX, hi = INT_MIN;
+    if (c >= 0) {
+      for (int i = 0; i < kSegmentChunk; ++i) {
+        const int64_t pos = c * kSegmentChunk + i;
+        const int32_t id = q_ids[pos < p.seqlen_q ? pos : p.seqlen_q - 1];
+        lo = min(lo, id);
+        hi = max(hi, id);
+      }
+    }
+    int all_lo, all_hi;
+    const int suf_lo = block_scan<true>(lo, reach_lo, MinOp{}, scratch, all_lo);
+    const int suf_hi = block_scan<true>(hi, reach_hi, MaxOp{}, scratch, all_hi);
+    if (c >= 0) {
+      *reinterpret_cast<int4*>(q_rec + c * kSegmentRecord) = make_int4(lo, hi, suf_lo, suf_hi);
+    }
+    reach_lo = all_lo;
+    reach_hi = all_hi;
+  }
+
+  if (!runs) return;
+  const bool any_differs = __syncthreads_or(differs) != 0;
+  // Run j's first position for the runs the row has, seqlen past them; then entry 0: whether the
+  // row's runs are documents (every id one run, at most runs_per_row runs, equal key ids). The
+  // starts written above are visible to the block after the barrier.
+  const int count = run_count + 1;
+  const int r = static_cast<int>(p.runs_per_row);
+  for (int j = static_cast<int>(threadIdx.x); j < r; j += kThreads) {
+    if (j >= count && j > 0) run_row[j] = static_cast<int32_t>(p.seqlen_q);
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    const int lane = static_cast<int>(threadIdx.x);
+    const int known = count < r ? count : r;
+    int32_t id = 0;
+    if (lane < known) id = q_ids[lane == 0 ? 0 : run_row[lane]];
+    bool repeated = false;
+    for (int other = 0; other < known; ++other) {
+      const int32_t o = __shfl_sync(0xffffffffu, id, other);
+      repeated = repeated || (lane < known && other != lane && o == id);
+    }
+    const bool documents = count <= r && __ballot_sync(0xffffffffu, repeated) == 0u && !any_differs;
+    if (lane == 0) run_row[0] = documents ? 1 : 0;
+  }
+}
+
+}  // namespace
+
+cudaError_t segment_summaries(const SegmentSummaryParams& p, cudaStream_t stream) {
+  if (p.batch < 0 || p.seqlen_q < 1 || p.seqlen_k < 1 || p.batch > INT_MAX) {
+    return p.batch == 0 ? cudaSuccess : cudaErrorInvalidValue;
+  }
+  if (p.runs != nullptr &&
+      (p.seqlen_q != p.seqlen_k || p.runs_per_row < 1 || p.runs_per_row > kMaxRunsPerRow)) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.batch == 0) return cudaSuccess;
+  segment_summaries_kernel<<<static_cast<unsigned>(p.batch), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_flash::cuda
