@@ -13,7 +13,9 @@
 // kernel: dense TMA maps are [batch, seqlen, heads, head_dim], so rows past a sequence read as
 // zeros and stores past it are clipped; packed maps are one [total rows, heads, head_dim] view, so
 // a tile straddling a sequence end reads its neighbour's rows, and the kernel zeroes those V rows
-// and stores those O rows by hand (see the producer and the epilogue).
+// and stores those O rows by hand (see the producer and the epilogue). A segment-id call's rows
+// whose ids are documents (SeqLayout::runs) run each document as such a sequence inside its row of
+// the dense maps, with the band's body; the segment-id kernels hold both bodies (fwd_wgmma_tile).
 //
 // Shared-memory tiles are stored as the TMA writes them with 128-byte swizzling: a tile of R rows
 // and D columns is D / 64 "panels" of R rows x 128 bytes, and inside each panel the 16-byte chunk
