@@ -131,7 +131,8 @@ def _segment_runs(q_ids: jax.Array, kv_ids: jax.Array, runs: int) -> jax.Array:
     """[..., S] int32 ids -> [..., runs] int32, each row's documents (common/schedule.h
     SeqLayout::runs): entry 0 is 1 when the row's runs are documents (no id forms two runs, at
     most `runs` runs, the query ids equal the key ids), entry j >= 1 the first position of run j
-    (S past the last run)."""
+    (S past the last run). The definition in jnp (tests/test_schedule.py); calls get the record
+    from the GPU's summary kernel, the only one that reads it."""
     i32 = jnp.int32
     seqlen = q_ids.shape[-1]
     # run[p - 1] = index of the run that position p (>= 1) belongs to.
@@ -170,8 +171,8 @@ def _segment_summaries_cuda(
 
 def _extras(aux: Aux, dtype, segment_runs: int = 0, cuda: bool = False) -> tuple[jax.Array, ...]:
     """The eight optional FFI inputs in the order of ffi/shapes.h Extra, with one-element
-    placeholders for the unused ones; segment_runs > 0 adds the rows' documents. cuda: the id
-    summaries come from the GPU's own kernel."""
+    placeholders for the unused ones. cuda: the id summaries come from the GPU's own kernel, with
+    the rows' documents where segment_runs > 0."""
 
     def given(x, placeholder_dtype):
         return jnp.zeros((1,), placeholder_dtype) if x is None else x
@@ -186,14 +187,13 @@ def _extras(aux: Aux, dtype, segment_runs: int = 0, cuda: bool = False) -> tuple
         )
         segments = (aux.q_segment_ids, aux.kv_segment_ids, q_ranges, kv_ranges)
     else:
+        # Only the CUDA kernels schedule rows by their documents (segment_runs_per_row).
         segments = (
             aux.q_segment_ids,
             aux.kv_segment_ids,
             _segment_ranges(aux.q_segment_ids, suffix_reach=True),
             _segment_ranges(aux.kv_segment_ids, suffix_reach=False),
         )
-        if segment_runs > 0:
-            runs = _segment_runs(aux.q_segment_ids, aux.kv_segment_ids, segment_runs)
     return (
         *segments,
         given(aux.sinks, stats_dtype(dtype)),
