@@ -19,6 +19,7 @@
 
 #include "common/params.h"
 #include "cuda/launch.h"
+#include "cuda/segment_summaries.h"
 #include "cuda_check.h"
 
 namespace {
@@ -40,6 +41,9 @@ struct Case {
   double softcap = 0.0;
   bool sinks = false;
   bool segments = false;  // documents of 37 positions (so they change mid-tile)
+  // With segments: documents of several lengths scheduled one by one (SeqLayout::runs) in row 0,
+  // recurring ids in the others, with the summaries from the GPU's summary kernel.
+  int64_t runs_per_row = 0;
   bool varlen = false;
 };
 
@@ -141,6 +145,20 @@ std::vector<int32_t> segment_ids(int64_t batch, int64_t seqlen) {
   return ids;
 }
 
+// Row 0: documents of 37, 1, 300 and 5 positions, then one to the end; other rows: the ids 0, 1, 2
+// recurring every 37 positions, which are not documents.
+std::vector<int32_t> document_ids(int64_t batch, int64_t seqlen) {
+  const int64_t ends[] = {37, 38, 338, 343};
+  std::vector<int32_t> ids(batch * seqlen);
+  for (int64_t i = 0; i < seqlen; ++i) {
+    int32_t doc = 0;
+    for (int64_t e : ends) doc += i >= e ? 1 : 0;
+    ids[i] = doc;
+    for (int64_t b = 1; b < batch; ++b) ids[b * seqlen + i] = static_cast<int32_t>(i / 37 % 3);
+  }
+  return ids;
+}
+
 std::vector<int32_t> segment_ranges(const std::vector<int32_t>& ids, int64_t batch, int64_t seqlen,
                                     bool suffix_reach) {
   std::vector<int32_t> out(batch * jax_flash::segment_chunks(seqlen) * jax_flash::kSegmentRecord);
@@ -199,7 +217,26 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
     mask.sinks = device_array(sinks, owned);
     mask.sinks_batch_stride = c.varlen ? 0 : c.heads_q;
   }
-  if (c.segments) {
+  if (c.segments && c.runs_per_row > 0) {
+    const auto ids = document_ids(c.batch, c.seqlen_q);
+    const int64_t chunks = jax_flash::segment_chunks(c.seqlen_q);
+    const std::vector<int32_t> ranges(c.batch * chunks * jax_flash::kSegmentRecord);
+    const std::vector<int32_t> runs(c.batch * c.runs_per_row);
+    jax_flash::cuda::SegmentSummaryParams sp{};
+    sp.q_ids = sp.kv_ids = device_array(ids, owned);
+    sp.q_ranges = const_cast<int32_t*>(device_array(ranges, owned));
+    sp.kv_ranges = const_cast<int32_t*>(device_array(ranges, owned));
+    sp.runs = const_cast<int32_t*>(device_array(runs, owned));
+    sp.batch = c.batch;
+    sp.seqlen_q = sp.seqlen_k = c.seqlen_q;
+    sp.runs_per_row = c.runs_per_row;
+    CHECK_CUDA(jax_flash::cuda::segment_summaries(sp, nullptr));
+    mask.segments.q_ids = mask.segments.kv_ids = sp.q_ids;
+    mask.segments.q_ranges = sp.q_ranges;
+    mask.segments.kv_ranges = sp.kv_ranges;
+    mask.segments.runs = sp.runs;
+    mask.segments.runs_per_row = c.runs_per_row;
+  } else if (c.segments) {
     const auto q_ids = segment_ids(c.batch, c.seqlen_q);
     const auto kv_ids = segment_ids(c.batch, c.seqlen_k);
     mask.segments.q_ids = device_array(q_ids, owned);
@@ -284,13 +321,13 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   CHECK_CUDA(cudaFree(dq_accum));
   std::printf(
       "dtype=%d B=%lld Sq=%lld Sk=%lld Hq=%lld Hkv=%lld D=%lld causal=%d window=(%lld,%lld) "
-      "softcap=%g sinks=%d segments=%d varlen=%d: %s\n",
+      "softcap=%g sinks=%d segments=%d runs=%lld varlen=%d: %s\n",
       static_cast<int>(c.dtype), static_cast<long long>(c.batch),
       static_cast<long long>(c.seqlen_q), static_cast<long long>(c.seqlen_k),
       static_cast<long long>(c.heads_q), static_cast<long long>(c.heads_kv),
       static_cast<long long>(c.head_dim), c.causal, static_cast<long long>(c.left),
-      static_cast<long long>(c.right), c.softcap, c.sinks, c.segments, c.varlen,
-      nan_count ? "NaN in output" : "ok");
+      static_cast<long long>(c.right), c.softcap, c.sinks, c.segments,
+      static_cast<long long>(c.runs_per_row), c.varlen, nan_count ? "NaN in output" : "ok");
   return nan_count == 0;
 }
 
@@ -329,6 +366,10 @@ int main() {
       segments.segments = true;
       segments.sinks = true;
       cases.push_back(segments);
+      Case documents{t, 2, 700, 700, 4, 2, d, true};
+      documents.segments = true;
+      documents.runs_per_row = 8;
+      cases.push_back(documents);
       Case packed{t, 4, 150, 170, 4, 2, d, true};
       packed.varlen = true;
       packed.left = 60;
