@@ -18,6 +18,7 @@ namespace {
 
 constexpr int kThreads = 1024;  // chunks per pass: kThreads * kSegmentChunk positions
 constexpr int kWarps = kThreads / 32;
+constexpr int kScratch = 2 * kWarps + 1;  // block_scan's shared memory
 
 struct MinOp {
   __device__ int operator()(int a, int b) const { return a < b ? a : b; }
@@ -31,30 +32,37 @@ struct AddOp {
 
 // Inclusive scan of x over the block's threads in thread order (kReverse: from the last thread
 // down), combined with `carry` (the scan of the earlier passes); every thread gets its value, and
-// `total` the scan over all threads with the carry. `scratch` holds kWarps ints; the call begins
-// and ends with a barrier, so consecutive scans may share it.
+// `total` the scan over all threads with the carry. Each warp scans its lanes, warp 0 the warps'
+// totals. `scratch` holds kScratch ints; the call begins and ends with a barrier, so consecutive
+// scans may share it.
 template <bool kReverse, class Op>
 __device__ int block_scan(int x, int carry, Op op, int* scratch, int& total) {
+  static_assert(kWarps == 32, "warp 0 scans one total a lane");
+  constexpr unsigned kAll = 0xffffffffu;
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int warp = static_cast<int>(threadIdx.x / 32);
+  auto warp_scan = [&](int v) {
 #pragma unroll
-  for (int d = 1; d < 32; d *= 2) {
-    const int y =
-        kReverse ? __shfl_down_sync(0xffffffffu, x, d) : __shfl_up_sync(0xffffffffu, x, d);
-    if (kReverse ? lane + d < 32 : lane >= d) x = op(x, y);
-  }
+    for (int d = 1; d < 32; d *= 2) {
+      const int y = kReverse ? __shfl_down_sync(kAll, v, d) : __shfl_up_sync(kAll, v, d);
+      if (kReverse ? lane + d < 32 : lane >= d) v = op(v, y);
+    }
+    return v;
+  };
+  x = warp_scan(x);
   __syncthreads();
   if (lane == (kReverse ? 0 : 31)) scratch[warp] = x;
   __syncthreads();
-  int before = carry;
-  int all = carry;
-  for (int w = 0; w < kWarps; ++w) {
-    const int s = scratch[w];
-    all = op(all, s);
-    if (kReverse ? w > warp : w < warp) before = op(before, s);
+  if (warp == 0) {
+    const int s = warp_scan(scratch[lane]);
+    const int earlier = kReverse ? __shfl_down_sync(kAll, s, 1) : __shfl_up_sync(kAll, s, 1);
+    const bool first = kReverse ? lane == 31 : lane == 0;
+    scratch[kWarps + lane] = first ? carry : op(carry, earlier);
+    if (lane == (kReverse ? 0 : 31)) scratch[2 * kWarps] = op(carry, s);
   }
-  total = all;
-  return op(before, x);
+  __syncthreads();
+  total = scratch[2 * kWarps];
+  return op(scratch[kWarps + warp], x);
 }
 
 // What one thread learns of its chunk of ids.
@@ -82,10 +90,18 @@ __device__ ChunkSummary summarize_chunks(const int32_t* ids, const int32_t* q_id
   // The query id before the warp's first position (the first position itself at the row start,
   // which then starts no run).
   int32_t prev = kRuns ? q_ids[clamp(base - 1)] : 0;
+  // Every load first, so that the warp waits for memory once: the loop below would otherwise issue
+  // each step's load after the previous step's shuffles.
+  int32_t id_of[16], qid_of[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    id_of[i] = ids[clamp(base + 32 * i + lane)];
+    if (kRuns) qid_of[i] = q_ids[clamp(base + 32 * i + lane)];
+  }
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int64_t pos = base + 32 * i + lane;
-    const int32_t id = ids[clamp(pos)];
+    const int32_t id = id_of[i];
     int lo = id, hi = id;
 #pragma unroll
     for (int d = 1; d < 16; d *= 2) {
@@ -101,7 +117,7 @@ __device__ ChunkSummary summarize_chunks(const int32_t* ids, const int32_t* q_id
       mine.hi = hi;
     }
     if (kRuns) {
-      const int32_t qid = q_ids[clamp(pos)];
+      const int32_t qid = qid_of[i];
       const int32_t up = __shfl_up_sync(kAll, qid, 1);
       const int32_t before = lane == 0 ? prev : up;
       prev = __shfl_sync(kAll, qid, 31);
@@ -122,7 +138,7 @@ __device__ ChunkSummary summarize_chunks(const int32_t* ids, const int32_t* q_id
 // One batch row. Positions past a row's end repeat its last id (which widens no range), as the
 // Python definition pads.
 __global__ void __launch_bounds__(kThreads) segment_summaries_kernel(const SegmentSummaryParams p) {
-  __shared__ int scratch[kWarps];
+  __shared__ int scratch[kScratch];
   const int64_t b = blockIdx.x;
   const int32_t* const q_ids = p.q_ids + b * p.seqlen_q;
   const int32_t* const kv_ids = p.kv_ids + b * p.seqlen_k;
