@@ -166,6 +166,16 @@ std::vector<int32_t> segment_ranges(const std::vector<int32_t>& ids, int64_t bat
   return out;
 }
 
+// n zeroed elements, for a kernel to write.
+template <typename T>
+T* device_zeros(size_t n, std::vector<void*>& owned) {
+  void* ptr = nullptr;
+  CHECK_CUDA(cudaMalloc(&ptr, n * sizeof(T)));
+  CHECK_CUDA(cudaMemset(ptr, 0, n * sizeof(T)));
+  owned.push_back(ptr);
+  return static_cast<T*>(ptr);
+}
+
 template <typename T>
 const T* device_array(const std::vector<T>& host, std::vector<void*>& owned) {
   void* ptr = nullptr;
@@ -219,14 +229,13 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   }
   if (c.segments && c.runs_per_row > 0) {
     const auto ids = document_ids(c.batch, c.seqlen_q);
-    const int64_t chunks = jax_flash::segment_chunks(c.seqlen_q);
-    const std::vector<int32_t> ranges(c.batch * chunks * jax_flash::kSegmentRecord);
-    const std::vector<int32_t> runs(c.batch * c.runs_per_row);
+    const size_t records =
+        c.batch * jax_flash::segment_chunks(c.seqlen_q) * jax_flash::kSegmentRecord;
     jax_flash::cuda::SegmentSummaryParams sp{};
     sp.q_ids = sp.kv_ids = device_array(ids, owned);
-    sp.q_ranges = const_cast<int32_t*>(device_array(ranges, owned));
-    sp.kv_ranges = const_cast<int32_t*>(device_array(ranges, owned));
-    sp.runs = const_cast<int32_t*>(device_array(runs, owned));
+    sp.q_ranges = device_zeros<int32_t>(records, owned);
+    sp.kv_ranges = device_zeros<int32_t>(records, owned);
+    sp.runs = device_zeros<int32_t>(c.batch * c.runs_per_row, owned);
     sp.batch = c.batch;
     sp.seqlen_q = sp.seqlen_k = c.seqlen_q;
     sp.runs_per_row = c.runs_per_row;

@@ -39,10 +39,9 @@ bool layout_supported(const FwdParams& p) {
              l.seqlen_k < 0 || l.seqlen_k > kIntMax) {
     return false;
   }
-  // 128 is the smallest query tile of the family, so this bounds every grid (a row's documents
-  // add at most kMaxRunsPerRow slots).
-  const int64_t tiles = l.varlen() ? l.total_q / 128 + l.num_seqs + 1
-                                   : l.batch * ((l.seqlen_q + 127) / 128 + kMaxRunsPerRow);
+  // 128 is the smallest query tile of the family, so this bounds every grid (the launcher's
+  // layout, with the rows' documents where it schedules by them).
+  const int64_t tiles = with_runs(l, p.mask.segments).tiles(128, false);
   return tiles <= kIntMax / std::max<int64_t>(p.heads_q, 1);
 }
 
