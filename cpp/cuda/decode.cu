@@ -150,8 +150,8 @@ cudaError_t run_merge(const DecodeParams& p, cudaStream_t stream) {
   const int64_t rows = p.batch * p.heads_q * p.seqlen_q;  // one block each
   if (rows > INT_MAX) return cudaErrorInvalidValue;
   // The split pass before it on the stream lets it launch early (cuda/grid_dependency.cuh).
-  return decode::launch_dependent(decode::decode_merge_kernel<T, S>, static_cast<unsigned>(rows),
-                                  decode::kMergeWarps * 32, 0, stream, p);
+  return launch_dependent(decode::decode_merge_kernel<T, S>, static_cast<unsigned>(rows),
+                          decode::kMergeWarps * 32, 0, stream, p);
 }
 
 template <typename T, typename S>

@@ -41,7 +41,7 @@ template <typename T, typename S>
 __global__ void __launch_bounds__(kMergeWarps * 32) decode_merge_kernel(const DecodeParams p) {
   // Launched as the split pass's programmatic dependent: wait for that grid to finish and its
   // partials to be visible.
-  decode_wait_for_primary();
+  wait_for_primary();
   constexpr int kPerLane = kSimtMaxHeadDim / 32;
   __shared__ S partial[kMergeWarps][kSimtMaxHeadDim];
   const int lane = static_cast<int>(threadIdx.x) % 32;

@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   // The merge pass is launched as this grid's programmatic dependent: letting it launch as soon
   // as every block of this grid has started hides its launch latency (its blocks wait for this
   // grid's completion and memory before reading a partial). A no-op without a dependent.
-  decode_allow_dependents();
+  allow_dependents();
 
   extern __shared__ uint4 smem_raw[];  // 16-byte alignment for cp.async and ldmatrix
   char* smem_q = reinterpret_cast<char*>(smem_raw);

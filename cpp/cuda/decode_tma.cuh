@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(Tr::kTmaThreads, Tr::kMinBlocks)
   constexpr int kPanelBytes = kBlockN * 128;
   constexpr int kMathBarrier = 1;  // named barrier of the math warps (0 is __syncthreads)
   // The merge pass is this grid's programmatic dependent (decode_tc.cuh says why).
-  decode_allow_dependents();
+  allow_dependents();
 
   extern __shared__ uint4 smem_raw[];
   // The swizzle pattern follows address bits 7-9: tiles start on 1024-byte boundaries.

@@ -114,6 +114,13 @@ cudaError_t launch(const FwdParams& p, CUtensorMapDataType type, cudaStream_t st
   const cudaError_t err = configure_kernel_once<sm90::fwd_wgmma_kernel<Tr>>(Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
   const unsigned grid = static_cast<unsigned>(args.order.ctas());
+  if constexpr (Tr::kSegments) {
+    // The segment summaries' kernel (segment_summaries.cu) runs just before on the stream, on
+    // one SM per batch row, and lets its dependents start at once: this grid's CTAs launch
+    // meanwhile and wait for its records (cuda/grid_dependency.cuh).
+    return launch_dependent(kernel, grid, Tr::kThreads, Tr::kSmemBytes, stream, args, tm_q, tm_k,
+                            tm_v, tm_o);
+  }
   kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(args, tm_q, tm_k, tm_v, tm_o);
   return cudaGetLastError();
 }

@@ -36,6 +36,7 @@
 
 #include "common/mask.h"
 #include "common/schedule.h"
+#include "cuda/grid_dependency.cuh"
 #include "cuda/sm90_async.cuh"  // JAX_FLASH_SM90A, mbarrier and TMA wrappers
 #include "cuda/tc_primitives.cuh"
 
@@ -1095,6 +1096,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                      const __grid_constant__ CUtensorMap tm_v,
                      const __grid_constant__ CUtensorMap tm_o) {
 #if JAX_FLASH_SM90A
+  // The segment-id kernels are launched as the programmatic dependents of the summary kernel that
+  // writes their ids' records (fwd_wgmma.cu): nothing before this reads or writes global memory.
+  if constexpr (Tr::kSegments) wait_for_primary();
   // Banded tiles near a sequence's end visit the most key blocks (causal): launch them first.
   // Only the segment-id kernels schedule rows by their documents.
   SeqLayout layout = args.layout;

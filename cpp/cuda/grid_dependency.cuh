@@ -1,8 +1,9 @@
 // Programmatic dependent launch (sm_90+): a kernel launched as the programmatic dependent of the
 // previous kernel on its stream may start while that kernel still runs, once every block of it
 // has allowed it; the dependent's blocks wait for the previous grid's completion (and memory)
-// where they call decode_wait_for_primary. This hides the second kernel's launch latency in a
-// two-pass call. On older devices both calls compile to nothing and the launch attribute makes
+// where they call wait_for_primary. This hides the second kernel's launch latency in a two-pass
+// call (decode's split pass and merge; the segment summaries and the segment-id attention
+// kernels). On older devices both calls compile to nothing and the launch attribute makes
 // the launch an ordinary, stream-ordered one.
 #pragma once
 
@@ -10,15 +11,15 @@
 
 #include <utility>
 
-namespace jax_flash::cuda::decode {
+namespace jax_flash::cuda {
 
-__device__ __forceinline__ void decode_allow_dependents() {
+__device__ __forceinline__ void allow_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
 
-__device__ __forceinline__ void decode_wait_for_primary() {
+__device__ __forceinline__ void wait_for_primary() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
@@ -42,4 +43,4 @@ cudaError_t launch_dependent(void (*kernel)(Params...), unsigned grid, unsigned 
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
-}  // namespace jax_flash::cuda::decode
+}  // namespace jax_flash::cuda

@@ -11,6 +11,7 @@
 
 #include "common/mask.h"
 #include "common/schedule.h"
+#include "cuda/grid_dependency.cuh"
 #include "cuda/segment_summaries.h"
 
 namespace jax_flash::cuda {
@@ -159,6 +160,9 @@ __device__ ChunkSummary summarize_chunks(const int32_t* ids, const int32_t* q_id
 // One batch row. Positions past a row's end repeat its last id (which widens no range), as the
 // Python definition pads.
 __global__ void __launch_bounds__(kThreads) segment_summaries_kernel(const SegmentSummaryParams p) {
+  // The wgmma forward's segment-id kernel, launched next as this grid's programmatic dependent,
+  // may start its CTAs on the other SMs now; they wait for this grid's end before reading.
+  allow_dependents();
   __shared__ int scratch[kScratch];
   __shared__ int32_t staged[kWarps * kWarpSmemWords];
   int32_t* const buf = staged + (threadIdx.x / 32) * kWarpSmemWords;
