@@ -176,8 +176,7 @@ __global__ void __launch_bounds__(kThreads) segment_summaries_kernel(const Segme
 
   // Key ids, first to last: each chunk's (min, max) and the prefix reach. With runs (seqlen_q ==
   // seqlen_k), also where the query ids' runs start and whether the key ids differ from them.
-  // Positions fit an int (segment_summaries checks): 32-bit index math keeps the 16 loads a lane
-  // has in flight within the 64 registers a thread of 1024 gets.
+  // Positions fit an int (segment_summaries checks), so the index math is 32-bit.
   const int seqlen_q = static_cast<int>(p.seqlen_q), seqlen_k = static_cast<int>(p.seqlen_k);
   const int kv_chunks = static_cast<int>(segment_chunks(seqlen_k));
   int reach_lo = INT_MAX, reach_hi = INT_MIN, run_count = 0;
