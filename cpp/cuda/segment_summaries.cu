@@ -152,8 +152,13 @@ __device__ ChunkSummary summarize_chunks(const int32_t* ids, const int32_t* q_id
       prev = q;
     }
   }
+  // A lane past the row's chunks keeps its differs: the positions it staged are not its chunk's.
   const int c = chunk0 + lane;
-  if (c < 0 || c >= chunks) mine = ChunkSummary{};
+  if (c < 0 || c >= chunks) {
+    const bool differs = mine.differs;
+    mine = ChunkSummary{};
+    mine.differs = differs;
+  }
   return mine;
 }
 
