@@ -97,7 +97,7 @@ def test_segment_runs(kind: str, runs: int) -> None:
 @pytest.mark.parametrize("length", [1, 17, 1000, 16384, 20000, 40001])
 def test_gpu_segment_summaries(length: int, runs: int) -> None:
     # The device kernel's chunk records and documents equal their jnp definitions, for rows of one
-    # and of several passes of its 1024 chunks, ids of long runs, ids of short recurring runs and
+    # and of several passes of its 512 chunks, ids of long runs, ids of short recurring runs and
     # random ids, and key ids that differ from the query ids in one row.
     rng = np.random.default_rng(length + runs)
     cuts = np.sort(rng.choice(np.arange(1, max(length, 2)), min(3, length - 1), replace=False))
