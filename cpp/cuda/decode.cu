@@ -141,8 +141,8 @@ cudaError_t run_simt(const DecodeParams& p, cudaStream_t stream) {
   if (blocks > INT_MAX) return cudaErrorInvalidValue;
   const auto kernel = p.mask.softcap > 0.0 ? decode::decode_simt_kernel<T, true>
                                            : decode::decode_simt_kernel<T, false>;
-  return launch_dependent(kernel, static_cast<unsigned>(blocks), decode::kSimtWarps * 32, 0, stream,
-                          p);
+  kernel<<<static_cast<unsigned>(blocks), decode::kSimtWarps * 32, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
 template <typename T, typename S>

@@ -39,9 +39,6 @@ inline constexpr int kMergeUnroll = 4;
 
 template <typename T, typename S>
 __global__ void __launch_bounds__(kMergeWarps * 32) decode_merge_kernel(const DecodeParams p) {
-  // The next decode step's split pass may launch now and run its prologue while this grid works
-  // (it waits for this grid before touching memory).
-  allow_dependents();
   // Launched as the split pass's programmatic dependent: wait for that grid to finish and its
   // partials to be visible.
   wait_for_primary();

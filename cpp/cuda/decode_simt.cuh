@@ -12,7 +12,6 @@
 #include <cstdint>
 
 #include "common/decode_params.h"
-#include "cuda/grid_dependency.cuh"
 #include "cuda/simt_common.cuh"
 
 namespace jax_flash::cuda::decode {
@@ -38,10 +37,6 @@ __device__ __forceinline__ T warp_sum(T x) {
 // the same rows written straight to o and lse).
 template <typename T, bool kSoftcap>
 __global__ void __launch_bounds__(kSimtWarps * 32) decode_simt_kernel(const DecodeParams p) {
-  // Launched as the programmatic dependent of the kernel ahead on the stream, and followed by the
-  // merge pass as its own (decode.cu).
-  allow_dependents();
-  wait_for_primary();
   constexpr int kPerLane = kSimtMaxHeadDim / 32;
   __shared__ T q_smem[kSimtWarps][kSimtMaxHeadDim];
   const int lane = static_cast<int>(threadIdx.x) % 32;

@@ -46,9 +46,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   // as every block of this grid has started hides its launch latency (its blocks wait for this
   // grid's completion and memory before reading a partial). A no-op without a dependent.
   allow_dependents();
-  // This grid is itself the programmatic dependent of the kernel ahead on the stream (decode.cu):
-  // wait for it before the first global access.
-  wait_for_primary();
 
   extern __shared__ uint4 smem_raw[];  // 16-byte alignment for cp.async and ldmatrix
   char* smem_q = reinterpret_cast<char*>(smem_raw);
@@ -165,8 +162,8 @@ cudaError_t launch_tc(const DecodeParams& p, const TcArgs& args, int64_t blocks,
   const cudaError_t err =
       configure_kernel_once<decode_tc_kernel<Tr, kPaged>>(Tr::kSmemBytes, /*max_carveout=*/true);
   if (err != cudaSuccess) return err;
-  return launch_dependent(kernel, static_cast<unsigned>(blocks), Tr::kNThreads, Tr::kSmemBytes,
-                          stream, p, args);
+  kernel<<<static_cast<unsigned>(blocks), Tr::kNThreads, Tr::kSmemBytes, stream>>>(p, args);
+  return cudaGetLastError();
 }
 
 }  // namespace jax_flash::cuda::decode

@@ -67,10 +67,12 @@ __global__ void __launch_bounds__(Tr::kTmaThreads, Tr::kMinBlocks)
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid % 32;
   const int warp = tid / 32;
+  const BlockWork w = block_work<Tr>(p, a);
+  const int n_tiles = w.t_end - w.t_begin;
+  // The copy warp moves the whole tiles; a last tile that reaches past the sequence's end (there
+  // is at most one) is copied by the math warps themselves (see the loop).
+  const int n_whole = n_tiles > 0 && w.t_end * kBlockN > w.seqlen_k ? n_tiles - 1 : n_tiles;
 
-  // The prologue touches no global memory, so it runs before the wait for the kernel ahead on the
-  // stream (this grid is launched as its programmatic dependent, decode.cu): it overlaps that
-  // kernel's tail, e.g. the previous decode step's merge pass.
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       sm90::mbar_init(full0 + 8 * s, 1);             // the copy warp's arrival (+ TMA bytes)
@@ -78,25 +80,15 @@ __global__ void __launch_bounds__(Tr::kTmaThreads, Tr::kMinBlocks)
     }
     sm90::fence_barrier_init();
   }
-  if (warp == Tr::kNWarps && lane == 0) {
-    // The descriptors are kernel parameters, not memory the kernel ahead can write.
-    sm90::prefetch_tensormap(&tmap_k);
-    sm90::prefetch_tensormap(&tmap_v);
-  }
   __syncthreads();
-  // Every thread waits: the kernel ahead's writes (the cache, the queries, cache_seqlens) are
-  // visible to a thread only after its own wait.
-  wait_for_primary();
-
-  const BlockWork w = block_work<Tr>(p, a);
-  const int n_tiles = w.t_end - w.t_begin;
-  // The copy warp moves the whole tiles; a last tile that reaches past the sequence's end (there
-  // is at most one) is copied by the math warps themselves (see the loop).
-  const int n_whole = n_tiles > 0 && w.t_end * kBlockN > w.seqlen_k ? n_tiles - 1 : n_tiles;
 
   if (warp == Tr::kNWarps) {
     // The copy warp. Use u of stage s is tile s + u * kStages; before refilling a stage it waits
     // for the math warps' release of its previous use (empty phase u - 1).
+    if (lane == 0) {
+      sm90::prefetch_tensormap(&tmap_k);
+      sm90::prefetch_tensormap(&tmap_v);
+    }
     const int32_t* table = kPaged ? p.block_table + w.b * p.max_pages : nullptr;
     const int32_t last_page =
         kPaged ? static_cast<int32_t>(p.num_pages <= INT_MAX ? p.num_pages - 1 : INT_MAX) : 0;
@@ -230,9 +222,9 @@ cudaError_t launch_tma(const DecodeParams& p, TcArgs args, int64_t blocks, cudaS
   const cudaError_t err = configure_kernel_once<decode_tma_kernel<Tr, kPaged>>(
       Tr::kTmaSmemBytes, /*max_carveout=*/true);
   if (err != cudaSuccess) return err;
-  // The programmatic dependent of the kernel ahead on the stream (the kernel says why).
-  return launch_dependent(kernel, static_cast<unsigned>(blocks), Tr::kTmaThreads, Tr::kTmaSmemBytes,
-                          stream, p, args, map_k, map_v);
+  kernel<<<static_cast<unsigned>(blocks), Tr::kTmaThreads, Tr::kTmaSmemBytes, stream>>>(
+      p, args, map_k, map_v);
+  return cudaGetLastError();
 }
 
 }  // namespace jax_flash::cuda::decode

@@ -3,11 +3,8 @@
 // has allowed it; the dependent's blocks wait for the previous grid's completion (and memory)
 // where they call wait_for_primary. This hides the second kernel's launch latency in a two-pass
 // call (decode's split pass and merge; the segment summaries and the segment-id attention
-// kernels), and lets a decode step's split pass set up its shared memory while the kernel ahead
-// of it (often the previous step's merge) finishes. A kernel that was not launched this way, or
-// whose predecessor never allows it, starts at the predecessor's end as usual; wait_for_primary
-// then returns at once. On older devices both calls compile to nothing and the launch attribute
-// makes the launch an ordinary, stream-ordered one.
+// kernels). On older devices both calls compile to nothing and the launch attribute makes
+// the launch an ordinary, stream-ordered one.
 #pragma once
 
 #include <cuda_runtime.h>
