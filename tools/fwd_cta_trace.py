@@ -17,13 +17,7 @@ Usage: python3 tools/fwd_cta_trace.py DEST, then in DEST
 and on an sm_90 GPU: ./fwd_trace --order
 """
 
-import argparse
-import pathlib
-import shutil
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-# Top-level folders of the tree that DEST must not be or lie in.
-PROTECTED = {".git", ".ci", "benchmarks", "cpp", "docs", "jax_flash", "tests", "tools"}
+from instrumented_copy import append, patch, scratch_copy
 
 # Slots per CTA: 0 entry, 1 SM id, 2 first K issued, 3 first K landed (warpgroup 1, thread 128),
 # 4 loop end, 5 epilogue end, 6 blocks visited.
@@ -148,31 +142,10 @@ DRIVER_PATCHES = [
 ]
 
 
-def patch(path: pathlib.Path, patches: list[tuple[str, str]]) -> None:
-    text = path.read_text()
-    for old, new in patches:
-        if text.count(old) != 1:
-            raise SystemExit(f"{path}: expected the text once, found {text.count(old)}:\n{old}")
-        text = text.replace(old, new)
-    path.write_text(text)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("dest", type=pathlib.Path, help="scratch directory (replaced)")
-    dest = parser.parse_args().dest.resolve()
-    top = dest.relative_to(ROOT).parts[:1] if dest.is_relative_to(ROOT) else ()
-    if dest == ROOT or dest in ROOT.parents or set(top) & PROTECTED:
-        raise SystemExit(f"{dest}: not a scratch directory (it would replace part of the tree)")
-    if dest.exists():
-        shutil.rmtree(dest)
-    shutil.copytree(ROOT / "cpp", dest / "cpp")
-    (dest / "tools").mkdir()
-    for name in ("wgmma_check.cu", "cuda_check.h"):
-        shutil.copy(ROOT / "tools" / name, dest / "tools" / name)
+    dest = scratch_copy(__doc__.splitlines()[0], ("wgmma_check.cu", "cuda_check.h"))
     patch(dest / "cpp/cuda/fwd_wgmma.cuh", KERNEL_PATCHES)
-    source = dest / "cpp/cuda/fwd_wgmma.cu"
-    source.write_text(source.read_text().rstrip() + "\n" + DUMP)
+    append(dest / "cpp/cuda/fwd_wgmma.cu", DUMP)
     patch(dest / "tools/wgmma_check.cu", DRIVER_PATCHES)
     print(f"instrumented copy in {dest}")
 
