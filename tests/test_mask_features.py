@@ -160,6 +160,38 @@ def test_softcap_bounds_the_logits(rng):
     assert np.asarray(lse_uncapped).max() > 100
 
 
+def _softcap_reference_point_qkv(rng, dtype):
+    """Scores q_i . k_j * scale ~ c_i * b_j, steered by one head-dim axis (plus small noise), for
+    the soft-capped GPU forward whose warps stop tracking their row max once it is near the cap:
+    rows 0-63 (c = 1) see scores of 4-7 and freeze far above their max, then meet key 600, whose
+    score of 200 is capped to ~50, the largest value a frozen reference allows for; rows 64-127
+    (c = -1) see scores of -4 to -7, too far below the cap to freeze; rows 128-135 and 136-143
+    (c = 1 and -1) share a warp, which must then never freeze; rows 144-299 have c from -1 to 1.
+    Head 1 negates c, so each kind of row meets the other kind of warp."""
+    seqlen_q, seqlen_k, head_dim = 300, 700, 128
+    root = np.sqrt(head_dim)
+    c = np.ones(seqlen_q)
+    c[64:128] = -1.0
+    c[136:144] = -1.0
+    c[144:] = np.linspace(-1.0, 1.0, seqlen_q - 144)
+    b = (4.0 + 3.0 * rng.random(seqlen_k)) * root
+    b[600] = 200.0 * root
+    q = 0.05 * rng.standard_normal((1, seqlen_q, 2, head_dim))
+    k = 0.05 * rng.standard_normal((1, seqlen_k, 1, head_dim))
+    q[0, :, 0, 0] = c
+    q[0, :, 1, 0] = -c
+    k[0, :, 0, 0] = b
+    v = rng.standard_normal((1, seqlen_k, 1, head_dim))
+    return (jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", F32_BF16 + (jnp.float16,), ids=dtype_id)
+def test_softcap_reference_point(rng, causal, dtype):
+    q, k, v = _softcap_reference_point_qkv(rng, dtype)
+    check_features(rng, q, k, v, softcap=50.0, causal=causal, same_precision_rule=True)
+
+
 # ----------------------------------------------------------------------------------------------
 # Sinks.
 

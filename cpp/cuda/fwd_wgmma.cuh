@@ -103,6 +103,14 @@ struct FwdWgmmaTraits {
   static constexpr bool kSegments = kMaskKind == FwdMask::kSegments;
   // s = softcap * tanh(softmax_scale * q.k / softcap).
   static constexpr bool kSoftcap = kSoftcapOn;
+  // A warp's row max stops following the scores once it is near the cap (online_softmax_freezing):
+  // bf16 only (fp16 P has too little range); head_dim 128, and 64 without a band (the banded
+  // head_dim-64 kernels, at 160 registers a consumer, then spill, and measured no gain); not in the
+  // segment-id kernels, whose two bodies (document and element-masked) spill with it.
+  static constexpr bool kFreezeMax =
+      kSoftcapOn && std::is_same_v<T, __nv_bfloat16> &&
+      (kHeadDim == 128 ? kMaskKind != FwdMask::kSegments
+                       : kHeadDim == 64 && kMaskKind == FwdMask::kNone);
   static constexpr FwdWgmmaTile kTile = fwd_wgmma_tile(kHeadDim, kMaskKind, kLongKeys);
   static constexpr int kConsumerWarpgroups = kTile.consumer_warpgroups;
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
@@ -524,6 +532,37 @@ __device__ __forceinline__ void apply_mask(float (&s)[kBlockN / 2], const TileMa
   }
 }
 
+// The largest score of row r of this thread's S tile (r = 0: row g, r = 1: row g + 8), unscaled,
+// over the four threads that hold the row.
+template <int kBlockN>
+__device__ __forceinline__ float row_max(const float (&s)[kBlockN / 2], int r) {
+  float mx = -CUDART_INF_F;
+#pragma unroll
+  for (int i = 0; i < kBlockN / 8; ++i) {
+    mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
+  }
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  return mx;
+}
+
+// Replaces the scores of row r by P = 2^(S * scale - m_use) and returns this thread's sum of them
+// (two partial sums halve the dependent-add chain).
+template <int kBlockN>
+__device__ __forceinline__ float exp_row(float (&s)[kBlockN / 2], int r, float scale, float m_use) {
+  float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+  for (int i = 0; i < kBlockN / 8; ++i) {
+    const float p0 = tc::fast_exp2(fmaf(s[4 * i + 2 * r], scale, -m_use));
+    const float p1 = tc::fast_exp2(fmaf(s[4 * i + 2 * r + 1], scale, -m_use));
+    s[4 * i + 2 * r] = p0;
+    s[4 * i + 2 * r + 1] = p1;
+    sum0 += p0;
+    sum1 += p1;
+  }
+  return sum0 + sum1;
+}
+
 // Online softmax of one S tile in base 2 (FlashAttention-2, Algorithm 1, lines 8-10): updates the
 // running row max m and partial row sum l, replaces S by P = 2^(S * scale - m) and returns the
 // factor alpha by which O must be rescaled. `scale` is scale_log2, or softcap * log2(e) on
@@ -534,29 +573,63 @@ __device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 2], float (&
                                                float (&l)[2], float (&alpha)[2], float scale) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float mx = -CUDART_INF_F;
-#pragma unroll
-    for (int i = 0; i < kBlockN / 8; ++i) {
-      mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
-    }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m[r], mx * scale);
+    const float m_new = fmaxf(m[r], row_max<kBlockN>(s, r) * scale);
     const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;
     alpha[r] = tc::fast_exp2(m[r] - m_use);
     m[r] = m_new;
-    // Two partial sums halve the dependent-add chain.
-    float sum0 = 0.f, sum1 = 0.f;
+    l[r] = l[r] * alpha[r] + exp_row<kBlockN>(s, r, scale, m_use);
+  }
+}
+
+// Soft-capped scores are tanh values times `scale` = softcap * log2(e), so no score of a row
+// exceeds `scale` (log2 units), and once a row's max is near that bound it can stop following the
+// row's scores. A warp whose 16 rows all have a running max within kFreezeGap of the bound raises
+// each row's max by the least whole number k >= 0 that puts it at or above scale - kFreezeHeadroom
+// (O and l follow through this tile's alpha), and from then on keeps it. No later P exceeds
+// 2^kFreezeHeadroom, and the row's largest P so far stays at or above 2^-61 (kFreezeGap -
+// kFreezeHeadroom + 1). A frozen warp skips the row max (an FMNMX a score, two shuffles a row),
+// alpha's exp2 and O's rescale (an FMUL per O element a tile): the softmax instructions that
+// soft-capping does not add, in a softmax bound by issue slots and the MUFU. Raising by whole log2
+// units scales every P by exactly 2^-k, which bf16 rounds as it would the unfrozen P.
+// Ranges: bf16 P has float32's exponent range, so P <= 2^16 keeps l and O far from overflow and
+// scores up to ~2^-65 below the row's largest P stay normal; fp16 P would overflow past 2^15 and
+// lose bits below 2^-14, too narrow a window (FwdWgmmaTraits::kFreezeMax).
+// `freeze` is the warp's state: 0 online; 1 frozen at the last tile, whose alpha O still needs;
+// 2 frozen before it (alpha = 1, and O's rescale is skipped).
+inline constexpr float kFreezeHeadroom = 16.f;
+inline constexpr float kFreezeGap = 76.f;
+
+template <int kBlockN>
+__device__ __forceinline__ void online_softmax_freezing(float (&s)[kBlockN / 2], float (&m)[2],
+                                                        float (&l)[2], float (&alpha)[2],
+                                                        float scale, int& freeze) {
+  if (freeze > 0) {
+    freeze = 2;
 #pragma unroll
-    for (int i = 0; i < kBlockN / 8; ++i) {
-      const float p0 = tc::fast_exp2(fmaf(s[4 * i + 2 * r], scale, -m_use));
-      const float p1 = tc::fast_exp2(fmaf(s[4 * i + 2 * r + 1], scale, -m_use));
-      s[4 * i + 2 * r] = p0;
-      s[4 * i + 2 * r + 1] = p1;
-      sum0 += p0;
-      sum1 += p1;
+    for (int r = 0; r < 2; ++r) l[r] += exp_row<kBlockN>(s, r, scale, m[r]);
+    return;
+  }
+  float m_new[2];
+  bool near = true;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    m_new[r] = fmaxf(m[r], row_max<kBlockN>(s, r) * scale);
+    // -inf (a row that has seen no key) is never near: such a warp keeps the online max.
+    near = near && m_new[r] >= scale - kFreezeGap;
+  }
+  if (__all_sync(0xffffffffu, near)) {
+    freeze = 1;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      m_new[r] += fmaxf(0.f, ceilf(scale - kFreezeHeadroom - m_new[r]));
     }
-    l[r] = l[r] * alpha[r] + (sum0 + sum1);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float m_use = m_new[r] == -CUDART_INF_F ? 0.f : m_new[r];
+    alpha[r] = tc::fast_exp2(m[r] - m_use);
+    m[r] = m_new[r];
+    l[r] = l[r] * alpha[r] + exp_row<kBlockN>(s, r, scale, m_use);
   }
 }
 
@@ -871,6 +944,8 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
       for (int i = 0; i < kBlockN / 2; ++i) s[i] = 0.f;
       uint32_t p[kBlockN / 16][4];
       float alpha[2];
+      // kFreezeMax: this warp's state (online_softmax_freezing).
+      int freeze = 0;
 
       // Ping-pong (FlashAttention-3, section 3.1): the consumer warpgroups take turns, in a ring,
       // to issue their GEMMs, so that one's softmax runs while another's GEMMs occupy the tensor
@@ -923,6 +998,17 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
         // Scores of one block: soft-capping, element masks where the block is not entirely visible
         // to this warpgroup's rows (or its segment ids are mixed), then the online softmax.
         const float scale = Tr::kSoftcap ? args.softcap_log2 : args.scale_log2;
+        const auto softmax = [&](float (&sc)[kBlockN / 2]) {
+          if constexpr (Tr::kFreezeMax) {
+            online_softmax_freezing<kBlockN>(sc, m, l, alpha, scale, freeze);
+          } else {
+            online_softmax<kBlockN>(sc, m, l, alpha, scale);
+          }
+        };
+        // O's rescale by the alpha of the block before; nothing once a frozen warp's alpha is 1.
+        const auto rescale_acc = [&] {
+          if (!Tr::kFreezeMax || freeze < 2) rescale_o<kD>(o, alpha);
+        };
         const auto softmax_block = [&](int n0, bool seg_mixed) {
           if constexpr (Tr::kSoftcap) apply_softcap(s, args.softcap_scale);
           if (seg_mixed || !mask.tile_full(r0, r1, n0, n0 + int64_t{kBlockN})) {
@@ -936,9 +1022,9 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
               apply_mask<kBlockN, kBand, false, kSegments>(s, tm, seg_mixed, kv_ids, n0 + 2 * t,
                                                            kv_last, q_id);
             }
-            online_softmax<kBlockN>(s, m, l, alpha, scale);
+            softmax(s);
           } else {
-            online_softmax<kBlockN>(s, m, l, alpha, scale);
+            softmax(s);
           }
         };
 
@@ -977,7 +1063,7 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
           issue_qk<Tr>(s, q_desc, k_desc(stage));
           wgmma_commit();
           // O's rescale for block it-1 is done here, hidden under the QK^T just issued.
-          rescale_o<kD>(o, alpha);
+          rescale_acc();
           mbar_wait(bar_v_full(prev), ((it - 1) / kStages) & 1);
           wgmma_fence();
           issue_pv<Tr>(o, p, v_desc(prev));
@@ -998,7 +1084,7 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
 
         {
           const int last = (it - 1) % kStages;
-          rescale_o<kD>(o, alpha);
+          rescale_acc();
           mbar_wait(bar_v_full(last), ((it - 1) / kStages) & 1);
           turn_begin(false);
           wgmma_fence();
