@@ -5,11 +5,13 @@ Copies cpp/ and tools/decode_check.cu into DEST and adds marks to the copies of
 cpp/cuda/decode_tma.cuh and cpp/cuda/decode_merge.cuh: for every split-pass block, %globaltimer
 (ns, comparable across SMs) at entry and after its epilogue, and clock64 (cycles of its SM) at
 entry, when the queries are in shared memory, when math warp 0 finds each of the first 12 key
-tiles landed, and around the epilogue; for every merge block, %globaltimer when its wait for the
-split pass returns and when it is done. After each `--bench` row the copy's driver prints, for
-the last launch of that row: the spread of the blocks' entries, the mean cycles of each phase,
-the mean interval between landed tiles, the split pass's span, and when the merge blocks got past
-their wait and finished, relative to the last split block's end. The marks cost a few stores per
+tiles landed, and around the epilogue; for every merge block, %globaltimer at entry, when its
+wait for the split pass returns and when it is done. After each `--bench` row the copy's driver
+prints, for the last launch of that row: the spread of the blocks' entries, the mean cycles of
+each phase, the mean interval between landed tiles, the split pass's span, and, relative to the
+last split block's end, when the last merge block entered, when the merge blocks got past their
+wait (first and last) and when the last finished, with the mean and longest time a merge block
+took from its wait to its end. The marks cost a few stores per
 block; the traced build's timings are not the kernels' timings.
 
 The patches are plain text replacements: when the kernels change, the script stops with the text
@@ -26,12 +28,12 @@ from instrumented_copy import append, patch, scratch_copy
 # Split-pass slots per block (kSlots): 0 globaltimer at entry, 1 clock64 at entry, 2 SM id,
 # 3..14 clock64 when tile 0..11 was found landed, 15 clock64 before the epilogue, 16 after it,
 # 17 globaltimer after it, 18 tiles, 19 clock64 with the queries in shared memory.
-# Merge slots per block: 0 globaltimer past the wait, 1 globaltimer at the end.
+# Merge slots per block: 0 globaltimer past the wait, 1 globaltimer at the end, 2 at entry.
 MARKS = """
 #define DEC_TRACE_BLOCKS 4096
 #define DEC_SLOTS 24
 __device__ unsigned long long g_dec_trace[DEC_TRACE_BLOCKS * DEC_SLOTS];
-__device__ unsigned long long g_merge_trace[DEC_TRACE_BLOCKS * 2];
+__device__ unsigned long long g_merge_trace[DEC_TRACE_BLOCKS * 3];
 __device__ __forceinline__ unsigned long long dec_globaltimer() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -44,9 +46,14 @@ __device__ __forceinline__ unsigned long long dec_globaltimer() {
 #define DEC_MARK(i) DEC_PUT(i, clock64())
 #define MERGE_PUT(i, v)                                                                \\
   do {                                                                                 \\
-    if (blockIdx.x < DEC_TRACE_BLOCKS) g_merge_trace[blockIdx.x * 2 + (i)] = (v);       \\
+    if (blockIdx.x < DEC_TRACE_BLOCKS) g_merge_trace[blockIdx.x * 3 + (i)] = (v);       \\
   } while (0)
 """
+
+# The merge pass's lse store, the last thing its second (live) pass does.
+LSE_STORE = (
+    "      if (col == 0) static_cast<S*>(p.lse)[row] = none ? neg_inf : m + simt::log_full(sum);\n"
+)
 
 MERGE_PATCHES = [
     (
@@ -54,13 +61,18 @@ MERGE_PATCHES = [
         "namespace jax_flash::cuda::decode {\n" + MARKS,
     ),
     (
-        "  wait_for_primary();\n",
-        "  wait_for_primary();\n  if (threadIdx.x == 0) MERGE_PUT(0, dec_globaltimer());\n",
+        "#pragma unroll 1\n  for (int round = 0; round < 2; ++round) {\n",
+        "  if (threadIdx.x == 0) MERGE_PUT(2, dec_globaltimer());\n"
+        "#pragma unroll 1\n  for (int round = 0; round < 2; ++round) {\n",
     ),
     (
-        "    if (lane == 0) lse_out[row] = lse;\n  }\n}\n",
-        "    if (lane == 0) lse_out[row] = lse;\n  }\n"
-        "  if (threadIdx.x == 0) MERGE_PUT(1, dec_globaltimer());\n}\n",
+        "    if (live) wait_for_primary();\n",
+        "    if (live) wait_for_primary();\n"
+        "    if (live && threadIdx.x == 0) MERGE_PUT(0, dec_globaltimer());\n",
+    ),
+    (
+        LSE_STORE,
+        LSE_STORE + "      if (threadIdx.x == 0) MERGE_PUT(1, dec_globaltimer());\n",
     ),
 ]
 
@@ -107,7 +119,7 @@ DUMP = r"""
 void decode_trace_dump(long long splits) {
   using jax_flash::cuda::decode::g_dec_trace;
   using jax_flash::cuda::decode::g_merge_trace;
-  std::vector<unsigned long long> h(DEC_TRACE_BLOCKS * DEC_SLOTS), g(DEC_TRACE_BLOCKS * 2);
+  std::vector<unsigned long long> h(DEC_TRACE_BLOCKS * DEC_SLOTS), g(DEC_TRACE_BLOCKS * 3);
   if (cudaDeviceSynchronize() != cudaSuccess ||
       cudaMemcpyFromSymbol(h.data(), g_dec_trace, h.size() * 8) != cudaSuccess ||
       cudaMemcpyFromSymbol(g.data(), g_merge_trace, g.size() * 8) != cudaSuccess) {
@@ -145,13 +157,20 @@ void decode_trace_dump(long long splits) {
     std::printf("    trace: no traced split block\n");
     return;
   }
-  unsigned long long merge_wait_min = ~0ull, merge_end_max = 0;
+  unsigned long long merge_wait_min = ~0ull, merge_wait_max = 0, merge_end_max = 0;
+  unsigned long long merge_entry_max = 0;
+  double merge_run = 0, merge_run_max = 0;
   int merges = 0;
   for (int b = 0; b < DEC_TRACE_BLOCKS; ++b) {
-    if (g[2 * b] == 0 || g[2 * b + 1] == 0) continue;
+    const unsigned long long* m = &g[3 * b];
+    if (m[0] == 0 || m[1] == 0 || m[2] == 0) continue;
     ++merges;
-    merge_wait_min = std::min(merge_wait_min, g[2 * b]);
-    merge_end_max = std::max(merge_end_max, g[2 * b + 1]);
+    merge_wait_min = std::min(merge_wait_min, m[0]);
+    merge_wait_max = std::max(merge_wait_max, m[0]);
+    merge_end_max = std::max(merge_end_max, m[1]);
+    merge_entry_max = std::max(merge_entry_max, m[2]);
+    merge_run += double(m[1] - m[0]);
+    merge_run_max = std::max(merge_run_max, double(m[1] - m[0]));
   }
   std::printf(
       "    trace splits=%lld: %d blocks on %zu SMs, %.1f tiles each | entries spread %.0f ns | "
@@ -161,10 +180,13 @@ void decode_trace_dump(long long splits) {
       gaps ? gap / gaps : 0.0, epi / n, total / n, total / n * ns_per_cycle,
       double(exit_max - entry_min));
   if (merges > 0) {
-    std::printf(" | merge (%d blocks): past its wait %+.0f ns, done %+.0f ns after the last split "
-                "block",
-                merges, double(static_cast<long long>(merge_wait_min - exit_max)),
-                double(static_cast<long long>(merge_end_max - exit_max)));
+    std::printf(" | merge (%d blocks): last entered %+.0f ns, past its wait %+.0f..%+.0f ns, done "
+                "%+.0f ns after the last split block; wait to done %.0f ns mean, %.0f max",
+                merges, double(static_cast<long long>(merge_entry_max - exit_max)),
+                double(static_cast<long long>(merge_wait_min - exit_max)),
+                double(static_cast<long long>(merge_wait_max - exit_max)),
+                double(static_cast<long long>(merge_end_max - exit_max)), merge_run / merges,
+                merge_run_max);
   }
   std::printf("\n");
   std::fill(h.begin(), h.end(), 0ull);
