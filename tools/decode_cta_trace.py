@@ -61,9 +61,9 @@ MERGE_PATCHES = [
         "namespace jax_flash::cuda::decode {\n" + MARKS,
     ),
     (
-        "#pragma unroll 1\n  for (int round = 0; round < 2; ++round) {\n",
+        "#pragma unroll 1\n  for (int round = kFirstRound; round < 2; ++round) {\n",
         "  if (threadIdx.x == 0) MERGE_PUT(2, dec_globaltimer());\n"
-        "#pragma unroll 1\n  for (int round = 0; round < 2; ++round) {\n",
+        "#pragma unroll 1\n  for (int round = kFirstRound; round < 2; ++round) {\n",
     ),
     (
         "    if (live) wait_for_primary();\n",

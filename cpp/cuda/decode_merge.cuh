@@ -40,11 +40,11 @@ __device__ __forceinline__ T to_output(S x) {
 //   room they sit at the wait while it runs. After the wait, a pass over cold code costs more than
 //   its work: instruction fetches on SMs that have not run this kernel lately (a per-block
 //   timeline, tools/decode_cta_trace.py: 2.8 us from the wait to the end, 1.0 us once warm). So
-//   the body runs twice: first before the wait, on stand-in values (every split's lse 0, partial
-//   rows and sink 0), reading and writing no global memory, which brings its instructions into the
-//   SM's instruction cache; then after the wait, on the split pass's results. (A block that only
-//   finds room once the split pass is over pays for the first pass; at batch 8 and 32, where that
-//   happens, the call measured no slower.)
+//   on sm_90 the body runs twice: first before the wait, on stand-in values (every split's lse 0,
+//   partial rows and sink 0), reading and writing no global memory, which brings its instructions
+//   into the SM's instruction cache; then after the wait, on the split pass's results. (A block
+//   that only finds room once the split pass is over pays for the first pass; at batch 8 and 32,
+//   where that happens, the call measured no slower.)
 // The order of every sum is fixed: the result does not depend on timing. T: output dtype, S:
 // stats precision.
 inline constexpr int kMergeWarps = 8;
@@ -74,8 +74,15 @@ __global__ void __launch_bounds__(kMergeWarps * 32) decode_merge_kernel(const De
   T* o_row = static_cast<T*>(p.o) + ((b * p.seqlen_q + i) * p.heads_q + h) * p.head_dim;
   const S neg_inf = simt::neg_inf<S>();
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kFirstRound = 0;
+#else
+  // Without a programmatic launch the blocks start once the split pass is done: nothing would
+  // hide the first pass.
+  constexpr int kFirstRound = 1;
+#endif
 #pragma unroll 1
-  for (int round = 0; round < 2; ++round) {
+  for (int round = kFirstRound; round < 2; ++round) {
     // The compiler must not tell the two passes apart, or it would compile the body twice.
     int pass;
     asm volatile("mov.b32 %0, %1;" : "=r"(pass) : "r"(round));
