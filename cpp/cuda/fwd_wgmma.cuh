@@ -563,21 +563,29 @@ __device__ __forceinline__ float exp_row(float (&s)[kBlockN / 2], int r, float s
   return sum0 + sum1;
 }
 
+// Moves row r's running max m to m_new: alpha = 2^(m - m_new), the row's scores become
+// P = 2^(S * scale - m_new) and l takes their sum. A row that has seen no key keeps m = -inf; its
+// subtraction point is clamped to 0 so that P = 0 and alpha = 0 come out instead of NaN.
+template <int kBlockN>
+__device__ __forceinline__ void advance_row(float (&s)[kBlockN / 2], int r, float m_new,
+                                            float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                            float scale) {
+  const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;
+  alpha[r] = tc::fast_exp2(m[r] - m_use);
+  m[r] = m_new;
+  l[r] = l[r] * alpha[r] + exp_row<kBlockN>(s, r, scale, m_use);
+}
+
 // Online softmax of one S tile in base 2 (FlashAttention-2, Algorithm 1, lines 8-10): updates the
 // running row max m and partial row sum l, replaces S by P = 2^(S * scale - m) and returns the
 // factor alpha by which O must be rescaled. `scale` is scale_log2, or softcap * log2(e) on
-// soft-capped (tanh) scores. A row that has seen no key keeps m = -inf; its subtraction point is
-// clamped to 0 so that P = 0 and alpha = 0 come out instead of NaN.
+// soft-capped (tanh) scores (advance_row says how a row that has seen no key stays NaN-free).
 template <int kBlockN>
 __device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 2], float (&m)[2],
                                                float (&l)[2], float (&alpha)[2], float scale) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float m_new = fmaxf(m[r], row_max<kBlockN>(s, r) * scale);
-    const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;
-    alpha[r] = tc::fast_exp2(m[r] - m_use);
-    m[r] = m_new;
-    l[r] = l[r] * alpha[r] + exp_row<kBlockN>(s, r, scale, m_use);
+    advance_row<kBlockN>(s, r, fmaxf(m[r], row_max<kBlockN>(s, r) * scale), m, l, alpha, scale);
   }
 }
 
@@ -625,12 +633,7 @@ __device__ __forceinline__ void online_softmax_freezing(float (&s)[kBlockN / 2],
     }
   }
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float m_use = m_new[r] == -CUDART_INF_F ? 0.f : m_new[r];
-    alpha[r] = tc::fast_exp2(m[r] - m_use);
-    m[r] = m_new[r];
-    l[r] = l[r] * alpha[r] + exp_row<kBlockN>(s, r, scale, m_use);
-  }
+  for (int r = 0; r < 2; ++r) advance_row<kBlockN>(s, r, m_new[r], m, l, alpha, scale);
 }
 
 // Zeroes rows [valid, kBlockN) of one K/V stage tile, every panel, with one warp. A whole
@@ -998,11 +1001,11 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
         // Scores of one block: soft-capping, element masks where the block is not entirely visible
         // to this warpgroup's rows (or its segment ids are mixed), then the online softmax.
         const float scale = Tr::kSoftcap ? args.softcap_log2 : args.scale_log2;
-        const auto softmax = [&](float (&sc)[kBlockN / 2]) {
+        const auto softmax = [&] {
           if constexpr (Tr::kFreezeMax) {
-            online_softmax_freezing<kBlockN>(sc, m, l, alpha, scale, freeze);
+            online_softmax_freezing<kBlockN>(s, m, l, alpha, scale, freeze);
           } else {
-            online_softmax<kBlockN>(sc, m, l, alpha, scale);
+            online_softmax<kBlockN>(s, m, l, alpha, scale);
           }
         };
         // O's rescale by the alpha of the block before; nothing once a frozen warp's alpha is 1.
@@ -1022,9 +1025,9 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
               apply_mask<kBlockN, kBand, false, kSegments>(s, tm, seg_mixed, kv_ids, n0 + 2 * t,
                                                            kv_last, q_id);
             }
-            softmax(s);
+            softmax();
           } else {
-            softmax(s);
+            softmax();
           }
         };
 
