@@ -755,19 +755,22 @@ __device__ __forceinline__ void bwd_dq_writer(const CUtensorMap* tm_dq, uint32_t
 
 // Head_dim 256's dQ writer of consumer warpgroup cw (warp 1 + cw of the producer warpgroup), in
 // either order. The consumers stage each pair's dQ_i in the Q / dO panels of the pair's own stage
-// (its columns' panels, which are dead once the warpgroup's dV and dK are done) and hand the pair
-// over through the staged / free barriers of bwd_dq_writer, one round per pair and one for the
-// end. The writer reads the pair's header from the stage, adds the panels with TMA reductions
-// (after the tile's turn in the deterministic order, then passing it on as bwd_dq_writer does),
-// and arrives on the stage's empty barrier once they have read the panels, so the producer
-// refills the stage only after that. A packed sequence's last tile, which the consumers add from
-// registers, is only released.
+// (its columns' panels, which are dead once the warpgroup's dV and dK are done): the first half of
+// its columns in the Q panels, the second in the dO panels. Each half is handed over on its own
+// round of the staged / free barriers of bwd_dq_writer (two rounds a pair, one for the end), so
+// that the first half's TMA reductions run while the second half is computed and staged: the
+// stage goes back to the producer only once the reductions have read it, and that turnaround is
+// on the pairs' critical path (docs/PERF_LOG.md). The writer reads the pair's header from the
+// stage, adds the panels (after the tile's turn in the deterministic order, then passing it on as
+// bwd_dq_writer does), and arrives on the stage's empty barrier once both halves are read. A
+// packed sequence's last tile, which the consumers add from registers, is only released.
 template <class Tr>
 __device__ __forceinline__ void bwd_dq_writer_split(const CUtensorMap* tm_dq, uint32_t q_smem,
                                                     uint32_t do_smem, uint32_t bar_empty0,
                                                     const uint8_t* stats,
                                                     const BwdCtaTile* cta_tile,
                                                     const BwdWgmmaArgs& args, int cw, int lane) {
+  static_assert(!Tr::kSplitQ || Tr::kDqBoxRows == Tr::kBlockM);
   named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
   for (int slot = 0;; ++slot) {
     const int stage = slot % Tr::kStages;
@@ -780,28 +783,34 @@ __device__ __forceinline__ void bwd_dq_writer_split(const CUtensorMap* tm_dq, ui
     if (lane == 0) flags = hdr->flags;
     flags = __shfl_sync(0xffffffffu, flags, 0);
     if (flags & kPairEnd) break;
+    const bool staged = (flags & kPairZeroRows) == 0;
+    // The warpgroup's columns' panels of the stage.
+    const uint32_t panels =
+        stage * Tr::kQStageBytes + cw * Tr::kDkCols / Tr::kPanelCols * Tr::kQPanelBytes;
     int32_t* sem = nullptr;
-    if (lane == 0) {
-      if ((flags & kPairZeroRows) == 0) {
+    for (int half = 0; half < 2; ++half) {
+      if (half == 1) {
+        __syncwarp();
+        named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
+        named_barrier_sync(kBwdBarDqStagedBase + cw, kBwdDqHandoffThreads);
+      }
+      if (lane == 0 && staged) {
+        // The header stays valid until this warp's arrival on the stage's empty barrier.
         const int m0 = hdr->m0;
-        const int head = hdr->head;
         const BwdDqRow at =
             bwd_dq_row(*cta_tile, args.layout.varlen(),
                        args.segments.enabled() && cta_tile->packed != 0, args.layout.seqlen_q, m0);
-        if (args.dq_semaphores != nullptr) {
+        if (half == 0 && args.dq_semaphores != nullptr) {
           sem = args.dq_semaphores + hdr->dq_offset / Tr::kD * kDqCounters + cw;
           dq_turn_wait(sem, dq_ticket(cta_tile->mask, m0, hdr->rows, cta_tile->n0, Tr::kBlockN));
         }
-        // The first kDqCols columns from the warpgroup's Q panels, the next from its dO panels.
-        const uint32_t panels =
-            stage * Tr::kQStageBytes + cw * Tr::kDkCols / Tr::kPanelCols * Tr::kQPanelBytes;
-        static_assert(!Tr::kSplitQ || Tr::kDqBoxRows == Tr::kBlockM);
-        dq_reduce_boxes<2, Tr::kDqBoxRows, 1>(tm_dq, q_smem + panels, cw * Tr::kDkCols, head, at);
-        dq_reduce_boxes<2, Tr::kDqBoxRows, 1>(tm_dq, do_smem + panels, cw * Tr::kDkCols + 64, head,
-                                              at);
+        dq_reduce_boxes<2, Tr::kDqBoxRows, 1>(tm_dq, (half == 0 ? q_smem : do_smem) + panels,
+                                              cw * Tr::kDkCols + 64 * half, hdr->head, at);
         tma_commit();
-        tma_wait_read();
       }
+    }
+    if (lane == 0) {
+      if (staged) tma_wait_read();
       mbar_arrive(bar_empty0 + 8u * stage);
     }
     __syncwarp();
@@ -1005,10 +1014,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const int flags = __shfl_sync(0xffffffffu, lane_flags, k);
 
         const int stage = slot % kStages;
+        // The pair's lse and delta are loaded before the wait for its stage: their L2 round trip
+        // then runs while the consumers (and, at head_dim 256, the dQ writers) still hold the
+        // stage, whose turnaround is on the pairs' critical path (docs/PERF_LOG.md).
+        const int64_t stat_row = ct.span.stat_start + head * ct.span.stat_head + m0;
+        constexpr int kStatPerLane = kBlockM / 32;
+        float lse_ahead[kStatPerLane];
+        float dlt_ahead[kStatPerLane];
+#pragma unroll
+        for (int i = 0; i < kStatPerLane; ++i) {
+          const int r = lane + 32 * i;
+          // Both loads are issued before either is used: one L2 round trip a pair, not two.
+          lse_ahead[i] = r < rows ? args.lse[stat_row + r] : -CUDART_INF_F;
+          dlt_ahead[i] = r < rows ? args.delta[stat_row + r] : 0.f;
+        }
         if (slot >= kStages) mbar_wait(bar_empty(stage), ((slot / kStages) + 1) & 1);
-        // Q and dO first: their TMA latency then overlaps the lse / delta loads below. Lane 0
-        // announces the bytes without arriving, so the stage completes only after its own stat
-        // and header writes too.
+        // Lane 0 announces Q and dO's bytes without arriving, so the stage completes only after
+        // its own stat and header writes too.
         if (lane == 0) {
           BwdPairHeader* const h = stage_header(stage);
           h->dq_offset = ((ct.span.q_start + m0) * args.heads_q + head) * int64_t{kD};
@@ -1029,21 +1051,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // Rows past the sequence and rows that saw no key (lse = -inf) get +inf, which makes
         // P = 2^(s - inf) = 0 exactly; their delta is 0.
         float* const lse_s = stage_lse(stage);
-        const int64_t stat_row = ct.span.stat_start + head * ct.span.stat_head + m0;
-        for (int r = lane; r < kBlockM; r += 32) {
-          float lse2 = CUDART_INF_F;
-          float dlt = 0.f;
-          if (r < rows) {
-            // Both loads are issued before either is used: one L2 round trip a pair, not two.
-            const float l = args.lse[stat_row + r];
-            const float d = args.delta[stat_row + r];
-            if (l != -CUDART_INF_F) {
-              lse2 = l * kLog2e;
-              dlt = d;
-            }
-          }
-          lse_s[r] = lse2;
-          lse_s[kBlockM + r] = dlt;
+#pragma unroll
+        for (int i = 0; i < kStatPerLane; ++i) {
+          const int r = lane + 32 * i;
+          const bool seen = lse_ahead[i] != -CUDART_INF_F;
+          lse_s[r] = seen ? lse_ahead[i] * kLog2e : CUDART_INF_F;
+          lse_s[kBlockM + r] = seen ? dlt_ahead[i] : 0.f;
           if (kMasked && (flags & kPairSegments)) {
             stage_qid(stage)[r] =
                 r < rows ? args.segments.q_ids[ct.span.batch * args.seg_stride_q + m0 + r] : 0;
@@ -1264,11 +1277,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             bwd_dq_atomics<Tr>(dq, dq_offset, rows, m0, cw, ctid, cta_tile, args, 0,
                                col0 + h * Tr::kDqCols, h == 0, h == Tr::kDqGemms - 1);
           }
+          if (h == 0) {
+            // The first half goes to the writer (bwd_dq_writer_split) while the second is
+            // computed; the arrival orders the staging before its reductions.
+            if (staged) fence_proxy_async_smem();
+            named_barrier_sync(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
+            named_barrier_arrive(kBwdBarDqStagedBase + cw, kBwdDqHandoffThreads);
+          }
         }
         fence_operand(p_other);
         fence_operand(ds_other);
-        // To the writer warp (bwd_dq_writer_split), staged or not: the arrival orders the
-        // staging before its reductions.
+        // The second half to the writer warp, staged or not: the arrival orders the staging
+        // before its reductions.
         if (staged) fence_proxy_async_smem();
         named_barrier_sync(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
         named_barrier_arrive(kBwdBarDqStagedBase + cw, kBwdDqHandoffThreads);
