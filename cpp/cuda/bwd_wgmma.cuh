@@ -109,6 +109,11 @@ struct BwdWgmmaTraits {
   // producer a whole extra pair's time to refill a stage; 128-query tiles (Q and dO 32 KB a
   // stage, a third would pass the 227 KB) and head_dim 128 and 256 have room for two.
   static constexpr int kStages = kD == 64 && kBlockM == 64 ? 3 : 2;
+  // dO completes on a barrier of its own (BwdPairHeader::dout_full), so that S^T starts once Q
+  // has landed: head_dim 256, whose stage returns to the producer late (it holds dQ_i's staging),
+  // waits on the stage for much of a pair, and gained 1-3% from it; head_dim 64 lost 2%
+  // (docs/PERF_LOG.md).
+  static constexpr bool kDoBarrier = kSplitQ;
   // dQ_i = dS K reduces over all the tile's keys, so each warpgroup needs the other's dS^T rows,
   // and each dQ element is added to dq_accum once per key tile; kDqGemms GEMMs of kDqCols columns
   // each, added through TMA reductions. With 64-query tiles the two warpgroups split the head
@@ -244,7 +249,11 @@ struct BwdPairHeader {
   TileMask mask;      // query row r sees key column c iff mask.visible(r, c) (kPairMasked)
   int m0;             // the tile's first query row, sequence-local (the deterministic order)
   int head;           // the query head
-  int pad[3];
+  int pad;
+  // The stage's dO mbarrier (BwdWgmmaTraits::kDoBarrier), which lives here for want of other room
+  // at head_dim 256. Initialised once per CTA; the producer writes the fields above one by one and
+  // never this one.
+  uint64_t dout_full;
 };
 static_assert(sizeof(BwdPairHeader) == 48);
 
@@ -872,6 +881,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const auto stage_header = [&](int stage) {
     return reinterpret_cast<BwdPairHeader*>(stats + stage * Tr::kRowStatBytes + 3 * kBlockM * 4);
   };
+  // The stage's dO barrier (BwdPairHeader::dout_full); bar_full(stage) covers Q, the stats and
+  // the header.
+  const auto bar_full_do = [&](int stage) {
+    return tc::smem_addr(&stage_header(stage)->dout_full);
+  };
   // The kernels without kMasked serve only unbounded bands: a constant one lets the compiler
   // fold the band's arithmetic.
   const Band band = kMasked ? args.band : Band{};
@@ -888,6 +902,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // The 32 lanes of the producer warp arrive after writing lse / delta (lane 0 has
       // announced the TMA byte count before).
       mbar_init(bar_full(s), 32);
+      // Lane 0 of the producer warp with dO's byte count.
+      if (Tr::kDoBarrier) mbar_init(bar_full_do(s), 1);
       // Released by every consumer thread once its GEMMs and its own lse / delta reads are done
       // with the stage: each thread's arrival orders its own shared-memory reads before the
       // producer's next writes of that stage (one arrival per warp would not cover the reads of
@@ -1039,13 +1055,28 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           h->mask = ct.mask.tile(m0, ct.n0);
           h->m0 = m0;
           h->head = head;
-          mbar_expect_tx(bar_full(stage), 2 * Tr::kQStageBytes);
+          if constexpr (Tr::kDoBarrier) {
+            mbar_expect_tx(bar_full(stage), Tr::kQStageBytes);
+            mbar_arrive_expect_tx(bar_full_do(stage), Tr::kQStageBytes);
 #pragma unroll
-          for (int p = 0; p < Tr::kPanels; ++p) {
-            tma_load_4d(q_smem + stage * Tr::kQStageBytes + p * Tr::kQPanelBytes, &tm_q,
-                        bar_full(stage), p * Tr::kPanelCols, head, q_row0() + m0, tma_batch());
-            tma_load_4d(do_smem + stage * Tr::kQStageBytes + p * Tr::kQPanelBytes, &tm_do,
-                        bar_full(stage), p * Tr::kPanelCols, head, q_row0() + m0, tma_batch());
+            for (int p = 0; p < Tr::kPanels; ++p) {
+              tma_load_4d(q_smem + stage * Tr::kQStageBytes + p * Tr::kQPanelBytes, &tm_q,
+                          bar_full(stage), p * Tr::kPanelCols, head, q_row0() + m0, tma_batch());
+            }
+#pragma unroll
+            for (int p = 0; p < Tr::kPanels; ++p) {
+              tma_load_4d(do_smem + stage * Tr::kQStageBytes + p * Tr::kQPanelBytes, &tm_do,
+                          bar_full_do(stage), p * Tr::kPanelCols, head, q_row0() + m0, tma_batch());
+            }
+          } else {
+            mbar_expect_tx(bar_full(stage), 2 * Tr::kQStageBytes);
+#pragma unroll
+            for (int p = 0; p < Tr::kPanels; ++p) {
+              tma_load_4d(q_smem + stage * Tr::kQStageBytes + p * Tr::kQPanelBytes, &tm_q,
+                          bar_full(stage), p * Tr::kPanelCols, head, q_row0() + m0, tma_batch());
+              tma_load_4d(do_smem + stage * Tr::kQStageBytes + p * Tr::kQPanelBytes, &tm_do,
+                          bar_full(stage), p * Tr::kPanelCols, head, q_row0() + m0, tma_batch());
+            }
           }
         }
         // Rows past the sequence and rows that saw no key (lse = -inf) get +inf, which makes
@@ -1160,6 +1191,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // dP^T (column-wise, selected away by lse = +inf only if finite) and dK += dS^T Q, dV +=
       // P^T dO (0 * NaN is NaN), so they are zeroed before any GEMM reads the stage.
       if (flags & kPairZeroRows) {
+        if (Tr::kDoBarrier) mbar_wait(bar_full_do(stage), (slot / kStages) & 1);
         zero_tile_rows<kBlockM, Tr::kPanels, 2, Tr::kDoOffset - Tr::kQOffset>(
             smem + Tr::kQOffset + stage * Tr::kQStageBytes, hdr->rows);
         fence_proxy_async_smem();
@@ -1171,6 +1203,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       wgmma_fence();
       wgmma_ss_kmajor<kSCols, kD, Tr::kKVPanelBytes, Tr::kQPanelBytes, T>(s, k_desc, q_desc);
       wgmma_commit();
+      if constexpr (Tr::kDoBarrier) {
+        // dO may land after Q: S^T runs meanwhile.
+        mbar_wait(bar_full_do(stage), (slot / kStages) & 1);
+        wgmma_fence();
+      }
       if constexpr (Tr::kPair128) {
         wgmma_ss_kmajor<kSCols / 2, kD, Tr::kKVPanelBytes, Tr::kQPanelBytes, T>(acc_half<0>(dp),
                                                                                 v_desc, do_desc);
