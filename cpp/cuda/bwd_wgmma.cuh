@@ -1055,27 +1055,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           h->mask = ct.mask.tile(m0, ct.n0);
           h->m0 = m0;
           h->head = head;
+          // Panel p of the pair's Q or dO rows into the stage, completing on `bar`.
+          const auto load_panel = [&](uint32_t dst, const CUtensorMap* map, uint32_t bar, int p) {
+            tma_load_4d(dst + stage * Tr::kQStageBytes + p * Tr::kQPanelBytes, map, bar,
+                        p * Tr::kPanelCols, head, q_row0() + m0, tma_batch());
+          };
           if constexpr (Tr::kDoBarrier) {
+            // All of Q first: S^T waits for it alone.
             mbar_expect_tx(bar_full(stage), Tr::kQStageBytes);
             mbar_arrive_expect_tx(bar_full_do(stage), Tr::kQStageBytes);
 #pragma unroll
-            for (int p = 0; p < Tr::kPanels; ++p) {
-              tma_load_4d(q_smem + stage * Tr::kQStageBytes + p * Tr::kQPanelBytes, &tm_q,
-                          bar_full(stage), p * Tr::kPanelCols, head, q_row0() + m0, tma_batch());
-            }
+            for (int p = 0; p < Tr::kPanels; ++p) load_panel(q_smem, &tm_q, bar_full(stage), p);
 #pragma unroll
             for (int p = 0; p < Tr::kPanels; ++p) {
-              tma_load_4d(do_smem + stage * Tr::kQStageBytes + p * Tr::kQPanelBytes, &tm_do,
-                          bar_full_do(stage), p * Tr::kPanelCols, head, q_row0() + m0, tma_batch());
+              load_panel(do_smem, &tm_do, bar_full_do(stage), p);
             }
           } else {
             mbar_expect_tx(bar_full(stage), 2 * Tr::kQStageBytes);
 #pragma unroll
             for (int p = 0; p < Tr::kPanels; ++p) {
-              tma_load_4d(q_smem + stage * Tr::kQStageBytes + p * Tr::kQPanelBytes, &tm_q,
-                          bar_full(stage), p * Tr::kPanelCols, head, q_row0() + m0, tma_batch());
-              tma_load_4d(do_smem + stage * Tr::kQStageBytes + p * Tr::kQPanelBytes, &tm_do,
-                          bar_full(stage), p * Tr::kPanelCols, head, q_row0() + m0, tma_batch());
+              load_panel(q_smem, &tm_q, bar_full(stage), p);
+              load_panel(do_smem, &tm_do, bar_full(stage), p);
             }
           }
         }
