@@ -772,7 +772,11 @@ __device__ __forceinline__ void bwd_dq_writer(const CUtensorMap* tm_dq, uint32_t
 // on the pairs' critical path (docs/PERF_LOG.md). The writer reads the pair's header from the
 // stage, adds the panels (after the tile's turn in the deterministic order, then passing it on as
 // bwd_dq_writer does), and arrives on the stage's empty barrier once both halves are read. A
-// packed sequence's last tile, which the consumers add from registers, is only released.
+// packed sequence's last tile, which the consumers add from registers, is only released. Unlike
+// bwd_dq_writer's one buffer, each round's panels are the next round's only in the stage after
+// next, whose reuse the empty barrier orders: the writer arrives on "free" as soon as it has
+// taken a round over, so that in the deterministic order the consumers never wait for the
+// tile's turn (only the stage's release does).
 template <class Tr>
 __device__ __forceinline__ void bwd_dq_writer_split(const CUtensorMap* tm_dq, uint32_t q_smem,
                                                     uint32_t do_smem, uint32_t bar_empty0,
@@ -796,12 +800,17 @@ __device__ __forceinline__ void bwd_dq_writer_split(const CUtensorMap* tm_dq, ui
     // The warpgroup's columns' panels of the stage.
     const uint32_t panels =
         stage * Tr::kQStageBytes + cw * Tr::kDkCols / Tr::kPanelCols * Tr::kQPanelBytes;
+    // The second half is staged in the dO panels, which the first half's reductions do not read:
+    // the consumers may hand it over at once, so that they never wait for the deterministic turn.
+    named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
     int32_t* sem = nullptr;
     for (int half = 0; half < 2; ++half) {
       if (half == 1) {
         __syncwarp();
-        named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
         named_barrier_sync(kBwdBarDqStagedBase + cw, kBwdDqHandoffThreads);
+        // The next pair's first half is staged in the next stage's Q panels: it may come at once
+        // too.
+        named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
       }
       if (lane == 0 && staged) {
         // The header stays valid until this warp's arrival on the stage's empty barrier.
@@ -823,7 +832,6 @@ __device__ __forceinline__ void bwd_dq_writer_split(const CUtensorMap* tm_dq, ui
       mbar_arrive(bar_empty0 + 8u * stage);
     }
     __syncwarp();
-    named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
     if (lane == 0 && sem != nullptr) dq_turn_pass(sem);
     __syncwarp();
   }
