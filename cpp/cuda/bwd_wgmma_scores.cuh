@@ -1,0 +1,252 @@
+// The wgmma backward's element-wise work (bwd_wgmma.cuh): P^T and dS^T from the S^T and dP^T
+// accumulators with their masks, and the 16-bit operand tiles of P^T / dS^T in shared memory.
+#pragma once
+
+#include "cuda/bwd_wgmma_traits.cuh"
+
+namespace jax_flash::cuda::sm90 {
+
+#if JAX_FLASH_SM90A
+
+// Half kH of an accumulator array: the m64nN accumulator's registers of columns
+// [kH N / 2, (kH + 1) N / 2) are exactly those of an m64n(N/2) accumulator of those columns.
+template <int kH, int kN>
+__device__ __forceinline__ auto& acc_half(float (&acc)[kN]) {
+  return *reinterpret_cast<float (*)[kN / 2]>(acc + kH * (kN / 2));
+}
+
+// threadIdx.x through a volatile read, which the compiler can neither hoist nor merge with
+// others: values derived from it are computed where they are used, not kept live in registers.
+__device__ __forceinline__ int fresh_thread_index() {
+  int tid;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+  return tid;
+}
+
+// Zeroes rows [row0, kRows) of kTensors swizzled tiles (kPanels panels of kRows 128-byte rows,
+// kTensorStride bytes apart), one 16-byte chunk per store, over the 256 consumer threads. The
+// swizzle only permutes the chunks inside a row, so whole rows are zeroed regardless of it. The
+// thread index is read afresh so that this rare path's addresses are not kept live.
+template <int kRows, int kPanels, int kTensors, int kTensorStride>
+__device__ __forceinline__ void zero_tile_rows(uint8_t* tile, int row0) {
+  constexpr int kThreads = 256;
+  constexpr int kRowsPerPass = kThreads / (8 * kPanels);
+  const int thread = fresh_thread_index() - 128;
+  uint8_t* const at = tile + (thread / 8 % kPanels) * kRows * 128 + (thread % 8) * 16;
+  for (int row = row0 + thread / (8 * kPanels); row < kRows; row += kRowsPerPass) {
+#pragma unroll
+    for (int x = 0; x < kTensors; ++x) {
+      *reinterpret_cast<uint4*>(at + x * kTensorStride + row * 128) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+}
+
+// kPair128's element masking as two bit masks, one per accumulator row r of the thread (key
+// kc = `key` + 8r): bit 2i + e of vis[r] says whether query q0 + 8i + 2t + e sees that key (the
+// TileMask, TileMask::pair_row_bits, and with `seg` the segment ids). Two registers instead of a
+// predicate per element.
+template <class Tr>
+__device__ __forceinline__ void bwd_visible_bits(uint32_t (&vis)[2], const int* qid_s,
+                                                 const TileMask& tm, bool seg, const int* kvid_s,
+                                                 int key, int q0, int t) {
+  constexpr int kSteps = Tr::kSCols / 8;  // i
+  static_assert(2 * kSteps <= 32, "one bit per query of the thread");
+#pragma unroll
+  for (int r = 0; r < 2; ++r) vis[r] = tm.pair_row_bits(key + 8 * r, q0 + 2 * t, kSteps);
+  if (seg) {
+    const int kv0 = kvid_s[key];
+    const int kv1 = kvid_s[key + 8];
+    uint32_t same0 = 0u;
+    uint32_t same1 = 0u;
+#pragma unroll
+    for (int i = 0; i < kSteps; ++i) {
+      const int2 qid = *reinterpret_cast<const int2*>(qid_s + 8 * i + 2 * t);
+      same0 |= ((qid.x == kv0 ? 1u : 0u) | (qid.y == kv0 ? 2u : 0u)) << (2 * i);
+      same1 |= ((qid.x == kv1 ? 1u : 0u) | (qid.y == kv1 ? 2u : 0u)) << (2 * i);
+    }
+    vis[0] &= same0;
+    vis[1] &= same1;
+  }
+}
+
+// kPair128's element masking, applied to the 16-bit P^T (p) and the f16 factor of dS (wh) once
+// bwd_probs has computed them unmasked: the 16-bit half of each element that bwd_visible_bits
+// hides is cleared, bitwise, so whatever the unmasked math gave there (inf, NaN) is gone, as with
+// the selects of the float path. Masked and unmasked pairs thus share one P^T pass, and the mask
+// costs two registers there. Element (query q0 + 8i + 2t + e, key `key` + 8r) is half e of
+// register 2 (i % 2) + r of k16 step i / 2.
+template <class Tr>
+__device__ __forceinline__ void bwd_mask_packed(uint32_t (&p)[Tr::kSCols / 16][4],
+                                                uint32_t (&wh)[Tr::kSCols / 16][4],
+                                                const int* qid_s, const TileMask& tm, bool seg,
+                                                const int* kvid_s, int key, int q0, int t) {
+  uint32_t vis[2];
+  bwd_visible_bits<Tr>(vis, qid_s, tm, seg, kvid_s, key, q0, t);
+#pragma unroll
+  for (int i = 0; i < Tr::kSCols / 8; ++i) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint32_t two = vis[r] >> (2 * i);
+      const uint32_t keep =
+          ((two & 1u) != 0u ? 0x0000ffffu : 0u) | ((two & 2u) != 0u ? 0xffff0000u : 0u);
+      p[i / 2][2 * (i % 2) + r] &= keep;
+      wh[i / 2][2 * (i % 2) + r] &= keep;
+    }
+  }
+}
+
+// P^T of one pair from S^T (both in s on entry): accumulator element 4i + 2r + e is (key row
+// g + 8r, query column 8i + 2t + e), i.e. tile-local key `key` + 8r and query q0 + 8i + 2t + e
+// (lse_s and qid_s point at query q0's entries). On exit s holds the factor of dS, P or
+// P (1 - t^2) with soft-capping (kPair128: wh holds it as f16 pairs in p's layout, and s is dead),
+// and p the 16-bit P packed as it is computed into the register fragments of the dV GEMM (k16 step
+// i / 2, register 2 (i % 2) + r: the layout convert_p produces). With kMask, elements the TileMask
+// (or, with `seg`, the segment ids) hides are selected to 0, never multiplied, so a NaN there
+// cannot leak.
+template <class Tr, bool kMask>
+__device__ __forceinline__ void bwd_probs(float (&s)[Tr::kSCols / 2],
+                                          uint32_t (&p)[Tr::kSCols / 16][4],
+                                          uint32_t (&wh)[Tr::kSCols / 16][4], const float* lse_s,
+                                          const int* qid_s, const TileMask tm, bool seg,
+                                          const int* kvid_s, int key, int q0, int t,
+                                          const BwdWgmmaArgs& args) {
+  using T = typename Tr::Element;
+  static_assert(!(kMask && Tr::kPair128), "kPair128 masks afterwards (bwd_mask_packed)");
+  // The band as a window of query offsets per accumulator row r: query q0 + 2t + o sees key
+  // `key` + 8r iff first[r] <= o <= last[r] (none past the sequence's keys). Each element then
+  // costs two compares with a constant offset o = 8i + e, where TileMask::visible, evaluated per
+  // element, compiled to branches around reloads of the pair's mask from shared memory and
+  // doubled the time of a masked pair.
+  int first[2] = {0, 0};
+  int last[2] = {-1, -1};
+  if constexpr (kMask) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int kc = key + 8 * r;
+      const int base = q0 + 2 * t;
+      first[r] = kc - tm.hi_diag - base;
+      last[r] = kc < tm.n_limit ? kc - tm.lo_diag - base : -1;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < Tr::kSCols / 8; ++i) {
+    const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * i + 2 * t);
+    int2 qid = make_int2(0, 0);
+    if (kMask && seg) qid = *reinterpret_cast<const int2*>(qid_s + 8 * i + 2 * t);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float p0, p1, w0, w1;
+      const float x0 = s[4 * i + 2 * r];
+      const float x1 = s[4 * i + 2 * r + 1];
+      if constexpr (Tr::kIsSoftcap) {
+        const float t0 = tc::fast_tanh(x0 * args.softcap_scale);
+        const float t1 = tc::fast_tanh(x1 * args.softcap_scale);
+        p0 = tc::fast_exp2(fmaf(args.softcap_log2, t0, -l2.x));
+        p1 = tc::fast_exp2(fmaf(args.softcap_log2, t1, -l2.y));
+        w0 = p0 * fmaf(-t0, t0, 1.f);
+        w1 = p1 * fmaf(-t1, t1, 1.f);
+      } else {
+        p0 = tc::fast_exp2(fmaf(x0, args.scale_log2, -l2.x));
+        p1 = tc::fast_exp2(fmaf(x1, args.scale_log2, -l2.y));
+        w0 = p0;
+        w1 = p1;
+      }
+      if constexpr (kMask) {
+        bool v0 = (first[r] <= 8 * i) & (8 * i <= last[r]);
+        bool v1 = (first[r] <= 8 * i + 1) & (8 * i + 1 <= last[r]);
+        if (seg) {
+          const int kv_id = kvid_s[key + 8 * r];
+          v0 = v0 & (qid.x == kv_id);
+          v1 = v1 & (qid.y == kv_id);
+        }
+        p0 = v0 ? p0 : 0.f;
+        p1 = v1 ? p1 : 0.f;
+        w0 = v0 ? w0 : 0.f;
+        w1 = v1 ? w1 : 0.f;
+      }
+      if constexpr (Tr::kPair128) {
+        wh[i / 2][2 * (i % 2) + r] = tc::pack2<__half>(w0, w1);
+      } else {
+        s[4 * i + 2 * r] = w0;
+        s[4 * i + 2 * r + 1] = w1;
+      }
+      p[i / 2][2 * (i % 2) + r] = tc::pack2<T>(p0, p1);
+    }
+  }
+}
+
+// dS^T = P^T (dP^T - delta) in place of dP^T, delta broadcast along the key rows, with w (the
+// factor bwd_probs left in s, or with kPair128 in wh) for P^T. With kMask every masked element has
+// w = 0 and is selected to 0, since dP^T there may come from a neighbour's V rows; a visible
+// element whose P underflowed to 0 gets 0 either way.
+template <class Tr, bool kMask, int kI0 = 0, int kI1 = Tr::kSCols / 8>
+__device__ __forceinline__ void bwd_dscores(float (&dp)[Tr::kSCols / 2],
+                                            const float (&w)[Tr::kSCols / 2],
+                                            const uint32_t (&wh)[Tr::kSCols / 16][4],
+                                            const float* delta_s, int t) {
+#pragma unroll
+  for (int i = kI0; i < kI1; ++i) {
+    const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * i + 2 * t);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float w0, w1;
+      if constexpr (Tr::kPair128) {
+        const uint32_t bits = wh[i / 2][2 * (i % 2) + r];
+        const float2 wf = __half22float2(*reinterpret_cast<const __half2*>(&bits));
+        w0 = wf.x;
+        w1 = wf.y;
+      } else {
+        w0 = w[4 * i + 2 * r];
+        w1 = w[4 * i + 2 * r + 1];
+      }
+      float d0 = w0 * (dp[4 * i + 2 * r] - dl.x);
+      float d1 = w1 * (dp[4 * i + 2 * r + 1] - dl.y);
+      if constexpr (kMask) {
+        d0 = w0 != 0.f ? d0 : 0.f;
+        d1 = w1 != 0.f ? d1 : 0.f;
+      }
+      dp[4 * i + 2 * r] = d0;
+      dp[4 * i + 2 * r + 1] = d1;
+    }
+  }
+}
+
+// A 16-bit operand tile of kBlockN key rows x kBlockM queries (dS^T, or P^T where the
+// warpgroups exchange it), in kPanels panels of 64 queries (kPanelBytes apart) with 128-byte
+// swizzled rows: a warp's fragments f (accumulator layout, k16 step i / 2, register
+// 2 (i % 2) + r: key row row0 + g + 8r, queries 8 c + 2t, +1 with c = chunk0 + i) go to 16-byte
+// chunk c % 8 of the row in panel c / 8, swizzled by the row's position in its 8-row group,
+// which is g.
+template <int kPanels, int kPanelBytes, int kSteps>
+__device__ __forceinline__ void store_operand_tile(uint8_t* tile, const uint32_t (&f)[kSteps][4],
+                                                   int row0, int chunk0, int g, int t) {
+#pragma unroll
+  for (int i = 0; i < 2 * kSteps; ++i) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int c = chunk0 + i;
+      const int panel = kPanels > 1 ? c / 8 : 0;
+      const int chunk = kPanels > 1 ? c % 8 : c;
+      *reinterpret_cast<uint32_t*>(tile + panel * kPanelBytes + (row0 + g + 8 * r) * 128 +
+                                   ((chunk ^ g) * 16) + t * 4) = f[i / 2][2 * (i % 2) + r];
+    }
+  }
+}
+
+// The register fragments of k16 steps step0 .. step0 + kSteps - 1 (queries) of a warp's 16 key
+// rows row0.. of such a tile, the A operand of a register-sourced wgmma: one ldmatrix.x4 per step,
+// lanes 0-15 addressing the rows at the step's first 8 queries, lanes 16-31 at its last 8.
+template <int kSteps>
+__device__ __forceinline__ void load_operand_tile(uint32_t (&f)[kSteps][4], const uint8_t* tile,
+                                                  int row0, int step0, int lane) {
+  const int row = row0 + (lane & 15);
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+    const int chunk = 2 * (step0 + k) + (lane >> 4);
+    tc::ldmatrix_x4(f[k], tile + row * 128 + ((chunk ^ (row & 7)) * 16));
+  }
+}
+
+#endif  // JAX_FLASH_SM90A
+
+}  // namespace jax_flash::cuda::sm90

@@ -1,0 +1,331 @@
+// The wgmma backward's configuration (bwd_wgmma.cuh): the parameters that cross from the host,
+// the traits that derive every tile and shared-memory constant from (dtype, head_dim, mask,
+// softcap), the named barriers and the records the roles exchange through shared memory, and what
+// a CTA's key tile and each of its (query tile, key tile) pairs must do.
+#pragma once
+
+#include "common/mask.h"
+#include "common/schedule.h"
+#include "cuda/dq_convert.cuh"
+#include "cuda/fwd_wgmma.cuh"
+
+namespace jax_flash::cuda::sm90 {
+
+struct BwdWgmmaArgs {
+  const float* lse;    // dense [batch, heads_q, seqlen_q], packed [heads_q, total_q]; natural log
+  const float* delta;  // same layout as lse
+  float* dq_accum;     // [rows_q, heads_q, D], unscaled dS K sums
+  // [rows_q, heads_q, kDqCounters] counters that put each dQ tile's additions in key-tile order
+  // (dq_convert.cuh); nullptr: atomics in any order. With segment ids every pair of the band is
+  // then visited, since the order counts the key tiles by position, not by shared ids.
+  int32_t* dq_semaphores;
+  void* dk;  // [rows_k, heads_kv, D]
+  void* dv;
+  SeqLayout layout;
+  Band band;             // unbounded in the kernels without kMasked
+  SegmentIds segments;   // dense only; enabled only in the kernels with kMasked
+  int64_t seg_stride_q;  // layout.seqlen_q: per-batch stride of q_ids
+  int64_t seg_stride_k;  // layout.seqlen_k
+  int heads_q;
+  int heads_kv;
+  int group;  // heads_q / heads_kv
+  // Units: kv heads; levels: their key tiles, every sequence's (layout.tiles(kBlockN, true)).
+  LaunchOrder order;
+  float scale;
+  float scale_log2;
+  // Soft-capping, as the forward computes it: t = tanh(x * softcap_scale) for the raw product
+  // x = q.k, score in log2 units softcap_log2 * t (kSoftcap kernels only).
+  float softcap_scale;  // softmax_scale / softcap
+  float softcap_log2;   // softcap * log2(e)
+};
+
+// Head_dim 64 with 128 queries per (query tile, key tile) pair (1) or 64 (0, the tile of head_dim
+// 128 and 256), to compare the two.
+#ifndef JAX_FLASH_BWD_M128
+#define JAX_FLASH_BWD_M128 1
+#endif
+
+// kMasked: the band has a finite bound or segment ids are given, so tile pairs inside a sequence
+// may be skipped or need element masking (without it only the end of a sequence is masked).
+// kSoftcap: logit soft-capping.
+template <typename T, int kHeadDim, bool kMasked, bool kSoftcap>
+struct BwdWgmmaTraits {
+  using Element = T;
+  static constexpr int kD = kHeadDim;
+  static constexpr bool kIsMasked = kMasked;
+  static constexpr bool kIsSoftcap = kSoftcap;
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
+  // Head_dim 64 / 128: each consumer warpgroup owns 64 of the CTA's 128 keys (the M extent of one
+  // wgmma) with all of dK and dV's columns. Head_dim 256 (kSplitQ): dK and dV of 64 keys are
+  // already 256 registers a thread, so the CTA has 64 keys, each warpgroup owns half of dK and
+  // dV's columns, and the two split the queries of S^T and dP^T instead (kSCols each): the
+  // halves of P^T and dS^T are exchanged through shared memory before the dV / dK GEMMs, which
+  // reduce over all the tile's queries.
+  static constexpr bool kSplitQ = kD == 256;
+  static constexpr int kBlockN = kSplitQ ? 64 : 64 * kConsumerWarpgroups;
+  // Queries per pair. Head_dim 64 (JAX_FLASH_BWD_M128): 128, so that the per-pair fixed costs
+  // (stage and GEMM waits, the dS^T barrier, proxy fences, the dQ_i hand-off, the header and
+  // lse / delta handling), which dominate a pair of the short head_dim-64 GEMMs, are paid once
+  // per 128 queries, and S^T is one m64n128 GEMM (each K fragment read once per 128 queries);
+  // kPair128 below says how the registers fit. Head_dim 128 and 256 keep 64 (their dK / dV
+  // registers leave no room).
+  static constexpr int kBlockM = kD == 64 && JAX_FLASH_BWD_M128 != 0 ? 128 : 64;
+  static constexpr int kSCols = kSplitQ ? kBlockM / kConsumerWarpgroups : kBlockM;
+  static constexpr int kDkCols = kSplitQ ? kD / kConsumerWarpgroups : kD;
+  // Q / dO stages: with 64-query tiles a third fits beside the head_dim-64 tiles, and gives the
+  // producer a whole extra pair's time to refill a stage; 128-query tiles (Q and dO 32 KB a
+  // stage, a third would pass the 227 KB) and head_dim 128 and 256 have room for two.
+  static constexpr int kStages = kD == 64 && kBlockM == 64 ? 3 : 2;
+  // dO completes on a barrier of its own (BwdPairHeader::dout_full), so that S^T starts once Q
+  // has landed: head_dim 256, whose stage returns to the producer late (it holds dQ_i's staging),
+  // waits on the stage for much of a pair, and gained 1-3% from it; head_dim 64 lost 2%
+  // (docs/PERF_LOG.md).
+  static constexpr bool kDoBarrier = kSplitQ;
+  // dQ_i = dS K reduces over all the tile's keys, so each warpgroup needs the other's dS^T rows,
+  // and each dQ element is added to dq_accum once per key tile; kDqGemms GEMMs of kDqCols columns
+  // each, added through TMA reductions. With 64-query tiles the two warpgroups split the head
+  // dimension; with 128 (kDqSplitRows) they split the queries instead, 64 each with all the
+  // columns (one m64n64 GEMM over the 128 keys, staged as two of the same 64-row TMA boxes).
+  // Head_dim 256 has no shared memory left for a staging buffer
+  // (kDqStaged is false there): it stages dQ_i in the warpgroup's own panels of Q and dO once
+  // they are dead (bwd_dq_writer_split).
+  static constexpr bool kDqSplitRows = kBlockM == 64 * kConsumerWarpgroups && !kSplitQ;
+  static constexpr int kDqRows = kDqSplitRows ? kBlockM / kConsumerWarpgroups : kBlockM;
+  static constexpr int kDqCols = kSplitQ ? 64 : kDqSplitRows ? kD : kD / kConsumerWarpgroups;
+  static constexpr int kDqGemms = kDqSplitRows ? 1 : kD / (kConsumerWarpgroups * kDqCols);
+  // Consumer warpgroup cw's part of dQ_i: tile rows from dq_row0(cw), head columns from
+  // dq_col0(cw).
+  __host__ __device__ static constexpr int dq_row0(int cw) {
+    return kDqSplitRows ? cw * kDqRows : 0;
+  }
+  __host__ __device__ static constexpr int dq_col0(int cw) {
+    return kDqSplitRows ? 0 : cw * kDqCols;
+  }
+  static constexpr bool kDqStaged = !kSplitQ;
+  // Rows of one dq_accum TMA box. kWarpDq (head_dim 64 / 128, order of arrival): each consumer
+  // warp adds its own 16 query rows of dQ_i as soon as it has staged them, with no warpgroup
+  // barrier between the staging and the reduction. The deterministic writer then adds a tile as
+  // kDqRows / kDqBoxRows pieces; head_dim 256 keeps 64-row boxes.
+  static constexpr bool kWarpDq = kDqStaged;
+  static constexpr int kDqBoxRows = kWarpDq ? 16 : kDqRows;
+
+  // Consumers hold dK and dV (kDkCols / 2 registers each), S^T and dP^T (kSCols / 2 each), dQ
+  // (kDqCols / 2) and the 16-bit P^T, dS^T (kSCols / 4 each). With 128-query tiles (kPair128)
+  // S^T, dP^T, dK and dV alone take 192 of the 240 registers, and the pair loop is arranged so
+  // that hardly more is live at once:
+  // - the float32 factor of dS that bwd_probs leaves in S^T's registers (P, or P (1 - t^2) with
+  //   soft-capping) is kept as f16 pairs instead (wh, 32 registers; S^T is then dead), as the
+  //   mma.sync backward keeps P for dS: for a factor in [0, 1] f16 is 4x more precise than the
+  //   bf16 rounding dS^T gets anyway;
+  // - dP^T is issued in two halves of 64 queries, the first with S^T, the second once the P^T
+  //   math is done and S^T is dead, so that its 32 registers are not taken during that math; the
+  //   first half's dS^T math then runs under the second half;
+  // - masked pairs run the unmasked P^T math, then clear the hidden elements of the packed P^T and
+  //   wh (bwd_mask_packed), with the mask as two bit masks (bwd_visible_bits) rather than a
+  //   predicate per element.
+  static constexpr bool kPair128 = kBlockM == 128;
+  static_assert(!kPair128 || !kSplitQ);
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  static constexpr int kPanelCols = 64;
+  static constexpr int kPanels = kD / kPanelCols;
+  static constexpr int kRowBytes = 128;
+  static constexpr int kKVPanelBytes = kBlockN * kRowBytes;
+  static constexpr int kKVBytes = kKVPanelBytes * kPanels;
+  static constexpr int kQPanelBytes = kBlockM * kRowBytes;
+  static constexpr int kQStageBytes = kQPanelBytes * kPanels;
+  // dS^T of one query tile: kBlockN key rows of kBlockM queries, in kDsPanels panels of 64
+  // queries (128-byte rows, as the TMA lays out Q); P^T alike where the warpgroups exchange it.
+  static constexpr int kDsPanels = kBlockM * 2 / kRowBytes;
+  static constexpr int kDsPanelBytes = kBlockN * kRowBytes;
+  static constexpr int kDsBytes = kDsPanelBytes * kDsPanels;
+  static constexpr int kPBytes = kSplitQ ? kDsBytes : 0;
+  // dQ_i of one warpgroup (kDqRows queries x kDqCols head-dim columns, float32) on its way to
+  // dq_accum: TMA boxes of 32 columns, each kDqRows 128-byte rows with the 128-byte swizzle.
+  static constexpr int kDqBoxBytes = kDqRows * kRowBytes;
+  static constexpr int kDqBoxes = kDqCols / 32;
+  static constexpr int kDqWgBytes = kDqStaged ? kDqBoxBytes * kDqBoxes : 0;
+  // Per stage: lse * log2(e), delta and the query segment ids (kBlockM 4-byte values each), then
+  // the pair's header (BwdPairHeader).
+  static constexpr int kHeaderBytes = 48;
+  static constexpr int kRowStatBytes = 3 * kBlockM * 4 + kHeaderBytes;
+
+  static constexpr int kKOffset = 0;
+  static constexpr int kVOffset = kKOffset + kKVBytes;
+  static constexpr int kQOffset = kVOffset + kKVBytes;
+  static constexpr int kDoOffset = kQOffset + kStages * kQStageBytes;
+  static constexpr int kDsOffset = kDoOffset + kStages * kQStageBytes;
+  static constexpr int kPOffset = kDsOffset + 2 * kDsBytes;
+  static constexpr int kDqOffset = kPOffset + 2 * kPBytes;
+  static constexpr int kStatOffset = kDqOffset + kConsumerWarpgroups * kDqWgBytes;
+  static constexpr int kBarOffset = kStatOffset + kStages * kRowStatBytes;
+  // mbarriers: K/V full, then full and empty per stage.
+  static constexpr int kNumBarriers = 1 + 2 * kStages;
+  // The CTA's tile (BwdCtaTile), written once by thread 0.
+  static constexpr int kTileOffset = kBarOffset + 8 * kNumBarriers;
+  static constexpr int kTileBytes = 128;
+  // Segment ids of the tile's keys (kBlockN ints), written by the producer warp.
+  static constexpr int kKvIdOffset = kTileOffset + kTileBytes;
+  // The deterministic order's hand-off of a staged dQ_i to its writer warp (BwdDqHandoff), one per
+  // consumer warpgroup (head_dim 64 / 128).
+  static constexpr int kHandoffBytes = kDqStaged ? 32 : 0;
+  static constexpr int kHandoffOffset = kKvIdOffset + kBlockN * 4;
+  // The kernel aligns its base to 1024 bytes (the swizzle's period); dynamic shared memory starts
+  // 16-byte aligned, so that costs at most 1008 bytes (head_dim 256 needs all but a few of them).
+  static constexpr int kSmemBytes = kHandoffOffset + kConsumerWarpgroups * kHandoffBytes + 1008;
+
+  static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>);
+  static_assert(kD == 64 || kD == 128 || kD == 256, "head_dim 64, 128 and 256 only");
+  static_assert(kBlockM * 2 == kDsPanels * kRowBytes, "dS^T rows are whole swizzle spans");
+  static_assert(kDsPanels == 1 || !kSplitQ, "the P^T / dS^T exchange reads one panel");
+  static_assert(kKVPanelBytes % 1024 == 0 && kQPanelBytes % 1024 == 0 &&
+                kDsPanelBytes % 1024 == 0 && kDqBoxBytes % 1024 == 0);
+  static_assert(kDqCols == 64 || kDqCols == 32, "dQ GEMMs are m64n64 or m64n32");
+  static_assert(kDqRows == 64, "dQ GEMMs have 64 query rows (one wgmma M extent)");
+  static_assert(kDqBoxBytes == 8192 && (kQPanelBytes == 8192 || !kSplitQ),
+                "dq_reduce_boxes and stage_dq_boxes space the 32-column boxes 8 KB apart");
+  static_assert(kDkCols == 128 || kDkCols == 64, "dV / dK GEMMs are m64n128 or m64n64");
+  static_assert(kSCols == 128 || kSCols == 64 || kSCols == 32,
+                "S^T GEMMs are m64n128, m64n64 or m64n32");
+  static_assert(kRowStatBytes % 16 == 0, "headers are read as 16-byte vectors");
+  static_assert(kHandoffOffset % 8 == 0, "the hand-off holds an int64_t");
+  static_assert(kConsumerWarpgroups + 1 <= 4, "one writer warp per consumer warpgroup");
+  static_assert(kBlockM % kSegmentChunk == 0 && kBlockN % kSegmentChunk == 0);
+  static_assert(kSmemBytes <= 227 * 1024);
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWarpgroups <= 65536);
+};
+
+// Named barriers (id 0 is __syncthreads): both consumer warpgroups together (dS^T written; zeroed
+// rows of a packed sequence's boundary tile), and each consumer warpgroup alone (dQ_i staged for
+// its TMA reduction, its deterministic turn; ids 2 and 3). In the deterministic order, per
+// consumer warpgroup and shared with its writer warp (128 + 32 threads): dQ_i staged (the
+// consumers arrive, the writer waits; ids 4 and 5) and the staging buffer free again (the writer
+// arrives, the consumers wait; ids 6 and 7).
+inline constexpr int kBwdBarConsumers = 1;
+inline constexpr int kBwdBarDsOwnBase = 2;
+inline constexpr int kBwdBarDqStagedBase = 4;
+inline constexpr int kBwdBarDqFreeBase = 6;
+inline constexpr int kBwdDqHandoffThreads = 128 + 32;
+
+// What the producer tells the consumers about one visited (query tile, key tile) pair.
+struct BwdPairHeader {
+  int64_t dq_offset;  // element offset of (first query row, head) in dq_accum
+  int rows;           // query rows of the tile inside the sequence (1..kBlockM)
+  int flags;          // kPair* bits
+  TileMask mask;      // query row r sees key column c iff mask.visible(r, c) (kPairMasked)
+  int m0;             // the tile's first query row, sequence-local (the deterministic order)
+  int head;           // the query head
+  int pad;
+  // The stage's dO mbarrier (BwdWgmmaTraits::kDoBarrier), which lives here for want of other room
+  // at head_dim 256. Initialised once per CTA; the producer writes the fields above one by one and
+  // never this one.
+  uint64_t dout_full;
+};
+static_assert(sizeof(BwdPairHeader) == 48);
+
+// A staged dQ_i as a consumer warpgroup hands it to its writer warp (deterministic order only):
+// where the tile goes and when its turn comes.
+struct BwdDqHandoff {
+  int64_t sem;  // the tile's counter: index into dq_semaphores
+  int row;      // TMA coordinates of the staged first query row (packed: row of the [rows] view)
+  int batch;
+  int head;
+  int ticket;  // dq_ticket: the counter value at which the tile's turn comes
+  int end;     // no more tiles: the writer leaves
+  int pad;
+};
+static_assert(sizeof(BwdDqHandoff) == 32, "BwdWgmmaTraits::kHandoffBytes");
+
+inline constexpr int kPairEnd = 1;       // no more pairs: the consumers leave the loop
+inline constexpr int kPairMasked = 2;    // apply mask (band, end of the sequence's keys)
+inline constexpr int kPairSegments = 4;  // ... and q_id == kv_id (ids in the stage)
+inline constexpr int kPairZeroRows = 8;  // rows >= `rows` of Q and dO are a neighbour's: zero them
+
+// The key tile of one CTA, the query tiles it visits (before segment skipping) and what the
+// producer asks of the mask for each, computed once by thread 0 and read by all from shared
+// memory: re-reading it where it is needed keeps the 24-register producer from spilling.
+struct BwdCtaTile {
+  SeqSpan span;
+  SeqMask mask;      // the band of the span's sequence
+  IdRange kv_range;  // segment ids of the tile's keys (segments only)
+  int head_kv;
+  int n0;       // first key of the tile, sequence-local
+  int m_first;  // first query tile (block index) whose rows may see a key of the tile
+  int num_m;    // query tiles from m_first on that may
+  int empty;    // the tile holds no key of its span: the CTA has nothing to do
+  int packed;   // SeqTile::packed
+};
+static_assert(sizeof(BwdCtaTile) <= 128, "BwdWgmmaTraits::kTileBytes");
+
+// The CTA's work for block index `cta` of the grid (key tiles of one kv head fastest). kRuns: the
+// kernel may schedule rows by their documents (only the kernels that take segment ids do).
+template <int kBlockM, int kBlockN, bool kRuns>
+JF_HOST_DEVICE BwdCtaTile bwd_cta_tile(const BwdWgmmaArgs& args, const Band& band, bool segments,
+                                       int cta) {
+  int64_t unit, level;
+  args.order.locate(cta, unit, level);
+  const int64_t tile = dq_launch_tile(level, args.order.per_unit, args.dq_semaphores != nullptr);
+  SeqLayout layout = args.layout;
+  if constexpr (!kRuns) layout.runs = nullptr;
+  const SeqTile st = layout.tile(tile, kBlockN, true);
+  BwdCtaTile ct;
+  ct.span = st.span;
+  ct.mask = band.for_seq(st.span.len_q, st.span.len_k);
+  ct.kv_range = IdRange{0, 0};
+  ct.head_kv = static_cast<int>(unit);
+  ct.empty = st.empty(kBlockN, true) ? 1 : 0;
+  ct.packed = st.packed ? 1 : 0;
+  ct.n0 = 0;
+  ct.m_first = 0;
+  ct.num_m = 0;
+  if (ct.empty) return ct;
+  const int64_t n0 = st.block * kBlockN;
+  const int64_t n1 = n0 + kBlockN < st.span.len_k ? n0 + kBlockN : st.span.len_k;
+  const int64_t r0 = ct.mask.row_begin(n0);
+  const int64_t r1 = ct.mask.row_end(n1);
+  ct.n0 = static_cast<int>(n0);
+  if (r1 > r0) {
+    ct.m_first = static_cast<int>(r0 / kBlockM);
+    ct.num_m = static_cast<int>((r1 + kBlockM - 1) / kBlockM - r0 / kBlockM);
+  }
+  // A document of a row scheduled by its runs sees only its own keys: no segment ids.
+  if (segments && !st.packed) {
+    ct.kv_range = id_range_fixed<kBlockN / kSegmentChunk>(
+        segment_row(args.segments.kv_ranges, st.span.batch, args.seg_stride_k), n0, n1);
+  }
+  return ct;
+}
+
+// The producer's decision for the pair of query tile m0 (a block of the CTA's row range) and
+// the CTA's key tile: its header's `rows` and `flags`, or flags = -1 when no query of the tile
+// sees a key of the key tile (segment ids disjoint). Masking is needed where the band does not
+// cover the whole pair or the key tile runs past the sequence (tile_full), or where the segment
+// ids are not one and the same on both sides. `q_ranges` points at the batch row's chunk ranges
+// (segments only).
+struct BwdPair {
+  int rows;
+  int flags;
+};
+
+template <int kBlockM, int kBlockN>
+JF_HOST_DEVICE BwdPair bwd_pair(const BwdCtaTile& ct, int m0, bool segments,
+                                const int32_t* q_ranges, bool varlen) {
+  BwdPair pr;
+  pr.rows = ct.span.len_q - m0 < kBlockM ? static_cast<int>(ct.span.len_q - m0) : kBlockM;
+  pr.flags = ct.mask.tile_full(m0, m0 + pr.rows, ct.n0, ct.n0 + kBlockN) ? 0 : kPairMasked;
+  if (segments) {
+    const IdRange q_range = id_range_fixed<kBlockM / kSegmentChunk>(q_ranges, m0, m0 + pr.rows);
+    if (q_range.disjoint(ct.kv_range)) {
+      pr.flags = -1;
+      return pr;
+    }
+    if (!q_range.same_single(ct.kv_range)) pr.flags |= kPairMasked | kPairSegments;
+  }
+  // Only a packed sequence's neighbour rows are real data; dense tails read as zeros.
+  if (varlen && pr.rows < kBlockM) pr.flags |= kPairZeroRows;
+  return pr;
+}
+
+}  // namespace jax_flash::cuda::sm90
