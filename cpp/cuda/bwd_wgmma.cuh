@@ -32,8 +32,9 @@
 // whether it needs element masking and the TileMask to apply. The consumers follow the headers,
 // so both roles walk the same sequence of pairs by construction; an end header closes it.
 //
-// Shared-memory tiles use the forward's 128-byte-swizzled panel layout (cuda/fwd_wgmma.cuh,
-// whose PTX wrappers, descriptors and barrier helpers this file reuses).
+// Shared-memory tiles use the forward's 128-byte-swizzled panel layout (cuda/fwd_wgmma.cuh), with
+// the wgmma wrappers and descriptors of cuda/sm90_wgmma.cuh and the barrier and TMA wrappers of
+// cuda/sm90_async.cuh.
 //
 // This file holds the kernel, its roles and their pair loops; the parameters, traits and shared
 // records are in bwd_wgmma_traits.cuh, the P^T / dS^T element math in bwd_wgmma_scores.cuh and
@@ -41,13 +42,15 @@
 // bwd_wgmma_dq.cuh.
 #pragma once
 
+#include <math_constants.h>
+
 #include "common/mask.h"
 #include "common/schedule.h"
 #include "cuda/bwd_wgmma_dq.cuh"
 #include "cuda/bwd_wgmma_scores.cuh"
 #include "cuda/bwd_wgmma_traits.cuh"
 #include "cuda/dq_convert.cuh"
-#include "cuda/fwd_wgmma.cuh"
+#include "cuda/sm90_wgmma.cuh"
 
 namespace jax_flash::cuda::sm90 {
 

@@ -7,7 +7,7 @@
 #include "common/mask.h"
 #include "common/schedule.h"
 #include "cuda/dq_convert.cuh"
-#include "cuda/fwd_wgmma.cuh"
+#include "cuda/sm90_wgmma.cuh"
 
 namespace jax_flash::cuda::sm90 {
 
