@@ -1,8 +1,8 @@
 // Runs the CUDA kernels directly (no JAX) over a small grid of awkward cases so that
 // compute-sanitizer's memcheck and racecheck see every kernel family, both directions, tails,
-// causal masking, windows, softcap, sinks, segment ids, packed batches, GQA and each tensor-core
-// head dim. JAX_FLASH_CUDA_FAMILY=mma runs the mma.sync family where wgmma would apply. Usage:
-// compute-sanitizer --tool memcheck
+// causal masking, windows, softcap, sinks, segment ids, packed batches, GQA, each tensor-core
+// head dim and the deterministic backward's dQ order. JAX_FLASH_CUDA_FAMILY=mma runs the mma.sync
+// family where wgmma would apply. Usage: compute-sanitizer --tool memcheck
 // ./sanitize_cases. Exits non-zero on any CUDA error or non-finite output.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "common/params.h"
+#include "cuda/dq_convert.cuh"  // kDqCounters
 #include "cuda/launch.h"
 #include "cuda/segment_summaries.h"
 #include "cuda_check.h"
@@ -45,6 +46,7 @@ struct Case {
   // recurring ids in the others, with the summaries from the GPU's summary kernel.
   int64_t runs_per_row = 0;
   bool varlen = false;
+  bool deterministic = false;  // dQ added in the fixed key-tile order (dq_semaphores)
 };
 
 size_t elem_bytes(DType t) {
@@ -262,6 +264,7 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   void* dout = device_copy(encode(dout_host, c.dtype));
   void *o, *lse, *delta, *dq, *dk, *dv;
   float* dq_accum;
+  int32_t* dq_semaphores = nullptr;
   CHECK_CUDA(cudaMalloc(&o, q_elems * elem_bytes(c.dtype)));
   CHECK_CUDA(cudaMalloc(&lse, rows * elem_bytes(stats)));
   CHECK_CUDA(cudaMalloc(&delta, rows * elem_bytes(stats)));
@@ -269,6 +272,10 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   CHECK_CUDA(cudaMalloc(&dk, kv_elems * elem_bytes(c.dtype)));
   CHECK_CUDA(cudaMalloc(&dv, kv_elems * elem_bytes(c.dtype)));
   CHECK_CUDA(cudaMalloc(&dq_accum, q_elems * sizeof(float)));
+  // The deterministic order's counters, kDqCounters per dQ row and head; the launcher zeroes them.
+  if (c.deterministic) {
+    CHECK_CUDA(cudaMalloc(&dq_semaphores, rows * jax_flash::cuda::kDqCounters * sizeof(int32_t)));
+  }
 
   FwdParams fp{};
   fp.q = q;
@@ -316,6 +323,7 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   bp.dk = dk;
   bp.dv = dv;
   bp.dq_accum = dq_accum;
+  bp.dq_semaphores = dq_semaphores;
   describe(bp, c, pk, mask);
   bp.layout = fp.layout;
   CHECK_CUDA(jax_flash::cuda::attention_bwd(bp, c.dtype, nullptr));
@@ -328,15 +336,17 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   for (void* p : {q, k, v, dout, o, lse, delta, dq, dk, dv}) CHECK_CUDA(cudaFree(p));
   for (void* p : owned) CHECK_CUDA(cudaFree(p));
   CHECK_CUDA(cudaFree(dq_accum));
+  CHECK_CUDA(cudaFree(dq_semaphores));
   std::printf(
       "dtype=%d B=%lld Sq=%lld Sk=%lld Hq=%lld Hkv=%lld D=%lld causal=%d window=(%lld,%lld) "
-      "softcap=%g sinks=%d segments=%d runs=%lld varlen=%d: %s\n",
+      "softcap=%g sinks=%d segments=%d runs=%lld varlen=%d deterministic=%d: %s\n",
       static_cast<int>(c.dtype), static_cast<long long>(c.batch),
       static_cast<long long>(c.seqlen_q), static_cast<long long>(c.seqlen_k),
       static_cast<long long>(c.heads_q), static_cast<long long>(c.heads_kv),
       static_cast<long long>(c.head_dim), c.causal, static_cast<long long>(c.left),
       static_cast<long long>(c.right), c.softcap, c.sinks, c.segments,
-      static_cast<long long>(c.runs_per_row), c.varlen, nan_count ? "NaN in output" : "ok");
+      static_cast<long long>(c.runs_per_row), c.varlen, c.deterministic,
+      nan_count ? "NaN in output" : "ok");
   return nan_count == 0;
 }
 
@@ -388,6 +398,30 @@ int main() {
       packed_full.varlen = true;
       packed_full.sinks = true;
       cases.push_back(packed_full);
+    }
+  }
+  // The deterministic backward (tensor-core families): its writer warps' hand-offs and turns, with
+  // a tile of one row (Sq = 65), GQA, a band, documents and packed tails added from registers.
+  for (DType t : {DType::kBF16, DType::kF16}) {
+    for (int64_t d : {64, 128, 256}) {
+      for (bool causal : {false, true}) {
+        Case dense{t, 2, 65, 300, 4, 2, d, causal};
+        dense.deterministic = true;
+        cases.push_back(dense);
+      }
+      Case band{t, 1, 290, 290, 2, 2, d, true};
+      band.left = 100;
+      band.deterministic = true;
+      cases.push_back(band);
+      Case documents{t, 2, 700, 700, 4, 2, d, true};
+      documents.segments = true;
+      documents.runs_per_row = 8;
+      documents.deterministic = true;
+      cases.push_back(documents);
+      Case packed{t, 4, 150, 170, 4, 2, d, true};
+      packed.varlen = true;
+      packed.deterministic = true;
+      cases.push_back(packed);
     }
   }
   int failures = 0;
