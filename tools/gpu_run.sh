@@ -91,7 +91,8 @@ for stage in "${expanded[@]}"; do
     sanitize)
       run_stage memcheck timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 \
         build/gpu/sanitize_cases
-      run_stage racecheck timeout 150 compute-sanitizer --tool racecheck --error-exitcode 3 \
+      # racecheck took 149 s over the cases before the deterministic ones were added.
+      run_stage racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 3 \
         build/gpu/sanitize_cases
       JAX_FLASH_CUDA_FAMILY=mma run_stage memcheck-mma timeout 150 compute-sanitizer \
         --tool memcheck --error-exitcode 3 build/gpu/sanitize_cases

@@ -368,13 +368,22 @@ int main() {
       for (bool causal : {false, true}) cases.push_back({t, 1, 71, 130, 4, 2, d, causal});
     }
   }
-  // The mask features, each with tails that straddle tiles, in every family.
+  // Pushes c and, in the tensor-core families, the same call with the deterministic backward.
+  const auto and_deterministic = [&cases](Case c) {
+    cases.push_back(c);
+    if (c.dtype == DType::kBF16 || c.dtype == DType::kF16) {
+      c.deterministic = true;
+      cases.push_back(c);
+    }
+  };
+  // The mask features, each with tails that straddle tiles, in every family; a band, documents
+  // and packed tails (added from registers) also in the deterministic order.
   for (DType t : {DType::kBF16, DType::kF16, DType::kF32, DType::kF64}) {
     const bool half = t == DType::kBF16 || t == DType::kF16;
     for (int64_t d : half ? std::vector<int64_t>{64, 128, 256} : std::vector<int64_t>{40}) {
       Case window{t, 1, 301, 333, 4, 2, d, true};
       window.left = 70;
-      cases.push_back(window);
+      and_deterministic(window);
       Case band{t, 2, 290, 190, 2, 1, d, false};
       band.left = 5;
       band.right = 40;
@@ -388,40 +397,26 @@ int main() {
       Case documents{t, 2, 700, 700, 4, 2, d, true};
       documents.segments = true;
       documents.runs_per_row = 8;
-      cases.push_back(documents);
+      and_deterministic(documents);
       Case packed{t, 4, 150, 170, 4, 2, d, true};
       packed.varlen = true;
       packed.left = 60;
       packed.softcap = 10.0;
-      cases.push_back(packed);
+      and_deterministic(packed);
       Case packed_full{t, 3, 97, 6, 2, 2, d, false};  // the last sequence has no keys
       packed_full.varlen = true;
       packed_full.sinks = true;
       cases.push_back(packed_full);
     }
   }
-  // The deterministic backward (tensor-core families): its writer warps' hand-offs and turns, with
-  // a tile of one row (Sq = 65), GQA, a band, documents and packed tails added from registers.
+  // The deterministic order's writer warps on a query tile of one row (Sq = 65), GQA.
   for (DType t : {DType::kBF16, DType::kF16}) {
     for (int64_t d : {64, 128, 256}) {
       for (bool causal : {false, true}) {
-        Case dense{t, 2, 65, 300, 4, 2, d, causal};
-        dense.deterministic = true;
-        cases.push_back(dense);
+        Case one_row{t, 2, 65, 300, 4, 2, d, causal};
+        one_row.deterministic = true;
+        cases.push_back(one_row);
       }
-      Case band{t, 1, 290, 290, 2, 2, d, true};
-      band.left = 100;
-      band.deterministic = true;
-      cases.push_back(band);
-      Case documents{t, 2, 700, 700, 4, 2, d, true};
-      documents.segments = true;
-      documents.runs_per_row = 8;
-      documents.deterministic = true;
-      cases.push_back(documents);
-      Case packed{t, 4, 150, 170, 4, 2, d, true};
-      packed.varlen = true;
-      packed.deterministic = true;
-      cases.push_back(packed);
     }
   }
   int failures = 0;
