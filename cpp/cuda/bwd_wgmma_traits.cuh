@@ -49,7 +49,8 @@ struct BwdWgmmaArgs {
 // may be skipped or need element masking (without it only the end of a sequence is masked).
 // kSoftcap: logit soft-capping.
 template <typename T, int kHeadDim, bool kMasked, bool kSoftcap>
-struct BwdWgmmaTraits {
+struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
+  using Panels = Sw128Panels<kHeadDim>;
   using Element = T;
   static constexpr int kD = kHeadDim;
   static constexpr bool kIsMasked = kMasked;
@@ -129,22 +130,20 @@ struct BwdWgmmaTraits {
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
-  static constexpr int kPanelCols = 64;
-  static constexpr int kPanels = kD / kPanelCols;
-  static constexpr int kRowBytes = 128;
-  static constexpr int kKVPanelBytes = kBlockN * kRowBytes;
-  static constexpr int kKVBytes = kKVPanelBytes * kPanels;
-  static constexpr int kQPanelBytes = kBlockM * kRowBytes;
-  static constexpr int kQStageBytes = kQPanelBytes * kPanels;
+  // Tiles are Sw128Panels panels of their rows.
+  static constexpr int kKVPanelBytes = kBlockN * Panels::kRowBytes;
+  static constexpr int kKVBytes = kKVPanelBytes * Panels::kPanels;
+  static constexpr int kQPanelBytes = kBlockM * Panels::kRowBytes;
+  static constexpr int kQStageBytes = kQPanelBytes * Panels::kPanels;
   // dS^T of one query tile: kBlockN key rows of kBlockM queries, in kDsPanels panels of 64
   // queries (128-byte rows, as the TMA lays out Q); P^T alike where the warpgroups exchange it.
-  static constexpr int kDsPanels = kBlockM * 2 / kRowBytes;
-  static constexpr int kDsPanelBytes = kBlockN * kRowBytes;
+  static constexpr int kDsPanels = kBlockM * 2 / Panels::kRowBytes;
+  static constexpr int kDsPanelBytes = kBlockN * Panels::kRowBytes;
   static constexpr int kDsBytes = kDsPanelBytes * kDsPanels;
   static constexpr int kPBytes = kSplitQ ? kDsBytes : 0;
   // dQ_i of one warpgroup (kDqRows queries x kDqCols head-dim columns, float32) on its way to
   // dq_accum: TMA boxes of 32 columns, each kDqRows 128-byte rows with the 128-byte swizzle.
-  static constexpr int kDqBoxBytes = kDqRows * kRowBytes;
+  static constexpr int kDqBoxBytes = kDqRows * Panels::kRowBytes;
   static constexpr int kDqBoxes = kDqCols / 32;
   static constexpr int kDqWgBytes = kDqStaged ? kDqBoxBytes * kDqBoxes : 0;
   // Per stage: lse * log2(e), delta and the query segment ids (kBlockM 4-byte values each), then
@@ -178,7 +177,7 @@ struct BwdWgmmaTraits {
 
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>);
   static_assert(kD == 64 || kD == 128 || kD == 256, "head_dim 64, 128 and 256 only");
-  static_assert(kBlockM * 2 == kDsPanels * kRowBytes, "dS^T rows are whole swizzle spans");
+  static_assert(kBlockM * 2 == kDsPanels * Panels::kRowBytes, "dS^T rows are whole swizzle spans");
   static_assert(kDsPanels == 1 || !kSplitQ, "the P^T / dS^T exchange reads one panel");
   static_assert(kKVPanelBytes % 1024 == 0 && kQPanelBytes % 1024 == 0 &&
                 kDsPanelBytes % 1024 == 0 && kDqBoxBytes % 1024 == 0);

@@ -95,7 +95,8 @@ constexpr FwdWgmmaTile fwd_wgmma_tile(int head_dim, FwdMask mask, bool long_keys
 inline constexpr int64_t kLongKeys = 4096;
 
 template <typename T, int kHeadDim, FwdMask kMaskKind, bool kSoftcapOn, bool kLongKeys>
-struct FwdWgmmaTraits {
+struct FwdWgmmaTraits : Sw128Panels<kHeadDim> {
+  using Panels = Sw128Panels<kHeadDim>;
   using Element = T;
   static constexpr int kD = kHeadDim;
   static constexpr FwdMask kMask = kMaskKind;
@@ -129,14 +130,11 @@ struct FwdWgmmaTraits {
   static constexpr int kProducerRegs = kConsumerWarpgroups == 2 ? (kSegments ? 40 : 24) : 32;
   static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? (kSegments ? 232 : 240) : 160;
 
-  // A panel is 64 columns of 16-bit elements: one 128-byte swizzle span per row.
-  static constexpr int kPanelCols = 64;
-  static constexpr int kPanels = kD / kPanelCols;
-  static constexpr int kRowBytes = 128;
-  static constexpr int kQPanelBytes = kBlockM * kRowBytes;
-  static constexpr int kKVPanelBytes = kBlockN * kRowBytes;
-  static constexpr int kQBytes = kQPanelBytes * kPanels;
-  static constexpr int kKVStageBytes = kKVPanelBytes * kPanels;
+  // Tiles are Sw128Panels panels of their rows.
+  static constexpr int kQPanelBytes = kBlockM * Panels::kRowBytes;
+  static constexpr int kKVPanelBytes = kBlockN * Panels::kRowBytes;
+  static constexpr int kQBytes = kQPanelBytes * Panels::kPanels;
+  static constexpr int kKVStageBytes = kKVPanelBytes * Panels::kPanels;
   // K/V ring depth (a third stage measured no faster on the H200).
   static constexpr int kStages = 2;
 
@@ -153,7 +151,6 @@ struct FwdWgmmaTraits {
 
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>);
   static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3);
-  static_assert(kD % kPanelCols == 0, "head_dim must be a multiple of one 128-byte panel");
   static_assert(kBlockN % 16 == 0 && kD % 16 == 0, "wgmma K extent is 16");
   static_assert(kBlockM % kSegmentChunk == 0 && kBlockN % kSegmentChunk == 0,
                 "segment-id chunk summaries must tile both tile sizes");

@@ -21,6 +21,17 @@
 
 namespace jax_flash::cuda::sm90 {
 
+// The 128-byte swizzle's panel, the unit in which both wgmma families store their tiles and the
+// TMA boxes them: 64 columns of 16-bit elements, one 128-byte swizzle span per row, so a row of
+// kD columns is kD / 64 panels. The families' traits derive from it.
+template <int kD>
+struct Sw128Panels {
+  static constexpr int kPanelCols = 64;
+  static constexpr int kPanels = kD / kPanelCols;
+  static constexpr int kRowBytes = 128;
+  static_assert(kD % kPanelCols == 0, "head_dim must be a multiple of one 128-byte panel");
+};
+
 #if JAX_FLASH_SM90A
 
 __device__ __forceinline__ void wgmma_fence() {
