@@ -91,9 +91,9 @@ for stage in "${expanded[@]}"; do
     sanitize)
       run_stage memcheck timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 \
         build/gpu/sanitize_cases
-      # racecheck took 149 s over the cases before the deterministic ones were added, 149 s with
-      # them. Its default print limit (100) was reached by the deterministic hand-off record alone
-      # (README, Determinism): a larger one shows whether anything else is reported.
+      # racecheck takes about 150 s over the cases. Its default print limit (100) was reached by
+      # the deterministic hand-off record alone (README, Determinism): a larger one shows whether
+      # anything else is reported.
       run_stage racecheck timeout 300 compute-sanitizer --tool racecheck --print-limit 5000 \
         --error-exitcode 3 build/gpu/sanitize_cases
       JAX_FLASH_CUDA_FAMILY=mma run_stage memcheck-mma timeout 150 compute-sanitizer \
