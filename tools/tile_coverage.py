@@ -8,7 +8,8 @@ visible:
 - warpgroup blocks: a warpgroup skips the blocks its own 64 rows do not reach;
 - warpgroup halves: it also skips the 64-key halves of a block that its rows do not reach.
 A rate counted on visible pairs can at most reach the share times the rate of a tile of visible
-scores, before the per-tile costs of masking and start-up.
+scores, before the per-tile costs of masking and start-up. Which keys a row sees comes from
+jax_flash.reference.band_mask (jax_flash installed).
 
 Usage: python tools/tile_coverage.py --seqlen 1024 --causal --block-m 192 --block-n 128
        python tools/tile_coverage.py --seqlen 16384 --causal --left 1023 --block-m 128 --block-n 128
@@ -18,42 +19,48 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
+
+from jax_flash.reference import band_mask
+
 WARPGROUP_ROWS = 64
 
 
-def _visible(rows: range, keys: range, left: int | None, causal: bool) -> int:
-    """Visible (query, key) pairs of rows x keys: key j is visible to query i iff j <= i (causal)
-    and j >= i - left (a left window bound)."""
-    total = 0
-    for i in rows:
-        lo = keys.start if left is None else max(keys.start, i - left)
-        hi = min(keys.stop, i + 1) if causal else keys.stop
-        total += max(0, hi - lo)
-    return total
+def _row_ranges(seqlen: int, left: int | None, causal: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each query row's visible keys [lo, hi), from the library's own band rule (a band's rows see
+    a contiguous key range)."""
+    mask = np.asarray(band_mask(seqlen, seqlen, causal=causal, window=(left, None)))
+    count = mask.sum(axis=1)
+    lo = np.where(count > 0, mask.argmax(axis=1), 0)
+    return lo, lo + count
 
 
 def coverage(
     seqlen: int, block_m: int, block_n: int, left: int | None, causal: bool
 ) -> dict[str, float]:
+    lo, hi = _row_ranges(seqlen, left, causal)
+
+    def seen(r0: int, r1: int, k0: int, k1: int) -> int:
+        return int(np.maximum(0, np.minimum(hi[r0:r1], k1) - np.maximum(lo[r0:r1], k0)).sum())
+
     visible = 0
     computed = {"tile": 0, "warpgroup blocks": 0, "warpgroup halves": 0}
     for m0 in range(0, seqlen, block_m):
         m1 = min(seqlen, m0 + block_m)
-        key_lo = 0 if left is None else max(0, m0 - left)
-        key_hi = m1 if causal else seqlen
+        key_lo, key_hi = int(lo[m0:m1].min()), int(hi[m0:m1].max())
         for n0 in range(key_lo // block_n * block_n, key_hi, block_n):
             n1 = min(seqlen, n0 + block_n)
             for w0 in range(m0, m1, WARPGROUP_ROWS):
-                wg = range(w0, min(m1, w0 + WARPGROUP_ROWS))
-                seen = _visible(wg, range(n0, n1), left, causal)
-                visible += seen
-                computed["tile"] += len(wg) * (n1 - n0)
-                if seen:
-                    computed["warpgroup blocks"] += len(wg) * (n1 - n0)
+                w1 = min(m1, w0 + WARPGROUP_ROWS)
+                block_seen = seen(w0, w1, n0, n1)
+                visible += block_seen
+                computed["tile"] += (w1 - w0) * (n1 - n0)
+                if block_seen:
+                    computed["warpgroup blocks"] += (w1 - w0) * (n1 - n0)
                 for h0 in range(n0, n1, 64):
                     h1 = min(n1, h0 + 64)
-                    if _visible(wg, range(h0, h1), left, causal):
-                        computed["warpgroup halves"] += len(wg) * (h1 - h0)
+                    if seen(w0, w1, h0, h1):
+                        computed["warpgroup halves"] += (w1 - w0) * (h1 - h0)
     return {name: visible / work for name, work in computed.items()}
 
 
