@@ -7,13 +7,16 @@ Input, one or more kernels, each either
   to write one), which adds how often each instruction ran.
 A loop is a backward branch with the code from its target to itself. Only loops with at least one
 HGMMA are kept. The main loop (the pair loop of a backward, the key-block loop of a forward, here
-and in FlashAttention-3) is taken to be the shortest of those that issue the most HGMMA: the
-compiler rotates loops, so the back branches of one source loop can give overlapping ranges. For
-one kernel every such loop is listed with its opcode counts (the mnemonic up to its first dot);
-from a CSV the counts are executions per pass of the loop (instructions executed / back-branch
-executions). For several kernels, one table of the main loops side by side, so that two kernels'
-loop bodies can be compared without a GPU: a static count includes both sides of every branch in
-the loop, so it bounds what a pass issues from above.
+and in FlashAttention-3) is taken to be the one with the most HGMMA per instruction: the loops
+around it (a CTA's tiles, a persistent kernel's work) also hold the prologue's and epilogue's
+code, and the compiler's loop rotation can give one source loop two back branches with
+overlapping ranges, the denser being the body.
+
+For one kernel every such loop is listed with its opcode counts (the mnemonic up to its first
+dot); from a CSV the counts are executions per pass of the loop (instructions executed /
+back-branch executions). For several kernels, one table of the main loops side by side, so that
+two kernels' loop bodies can be compared without a GPU: a static count includes both sides of
+every branch in the loop, so it bounds what a pass issues from above.
 
 Usage: python tools/sass_loop_mix.py ours.sass fa3.sass
        python tools/sass_loop_mix.py benchmarks/results/ncu_bwd128_sass_h200.csv.gz
@@ -95,7 +98,7 @@ def hgmma_loops(code: list[Instruction]) -> list[Loop]:
 
 
 def main_loop(loops: list[Loop]) -> Loop:
-    return min(loops, key=lambda lp: (-lp.hgmma, lp.end - lp.start))
+    return max(loops, key=lambda lp: (lp.hgmma / (lp.end - lp.start + 1), -lp.start))
 
 
 def mix(code: list[Instruction], loop: Loop) -> tuple[Counter, float]:
