@@ -18,7 +18,13 @@ back-branch executions). For several kernels, one table of the main loops side b
 two kernels' loop bodies can be compared without a GPU: a static count includes both sides of
 every branch in the loop, so it bounds what a pass issues from above.
 
+--outline prints each kernel's main loop in order as its synchronisation points (wgmma waits and
+arrivals, barriers, mbarrier operations, stmatrix, fences, branches) and runs of HGMMA, with the
+count and the commonest opcodes of the instructions between them: where in a pass the math sits
+relative to the GEMMs it waits for.
+
 Usage: python tools/sass_loop_mix.py ours.sass fa3.sass
+       python tools/sass_loop_mix.py --outline ours.sass
        python tools/sass_loop_mix.py benchmarks/results/ncu_bwd128_sass_h200.csv.gz
 """
 
@@ -124,11 +130,60 @@ def describe(path: Path, code: list[Instruction], loop: Loop, is_main: bool) -> 
     return f"{path.name} {where} {kind}, {loop.hgmma} HGMMA, {total:.0f} instructions{per}\n  {top}"
 
 
+OUTLINE_MARKS = ("WARPGROUP", "BAR", "SYNCS", "STSM", "FENCE", "MEMBAR", "BRA", "UTMA", "UBLK")
+
+
+def outline(code: list[Instruction], loop: Loop) -> list[str]:
+    """The loop as synchronisation points and HGMMA runs, with what lies between them."""
+    lines: list[str] = []
+    between: Counter = Counter()
+    hgmma_run = 0
+
+    def flush() -> None:
+        nonlocal hgmma_run
+        if hgmma_run:
+            lines.append(f"  {hgmma_run} HGMMA")
+            hgmma_run = 0
+        if between:
+            top = " ".join(f"{k}:{v}" for k, v in between.most_common(6))
+            lines.append(f"    ... {sum(between.values())} others ({top})")
+            between.clear()
+
+    base = code[0].address
+    for ins in code[loop.start : loop.end + 1]:
+        if ins.opcode == "HGMMA":
+            if between:
+                if between.total() <= 4:
+                    between.clear()  # descriptor updates between the wgmmas of one GEMM
+                else:
+                    flush()
+            hgmma_run += 1
+        elif ins.opcode.startswith(OUTLINE_MARKS):
+            flush()
+            lines.append(f"  {ins.address - base:#07x} {ins.text}")
+        else:
+            between[ins.opcode] += 1
+    flush()
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kernels", type=Path, nargs="+", help="SASS text or ncu source CSV")
     parser.add_argument("--rows", type=int, default=30, help="opcodes in the side-by-side table")
+    parser.add_argument("--outline", action="store_true", help="the main loops in order")
     args = parser.parse_args()
+
+    if args.outline:
+        for path in args.kernels:
+            code = read_kernel(path)
+            loops = hgmma_loops(code)
+            if not loops:
+                raise SystemExit(f"{path}: no loop issues HGMMA")
+            best = main_loop(loops)
+            print(describe(path, code, best, True).split("\n")[0])
+            print("\n".join(outline(code, best)))
+        return
 
     chosen = []
     for path in args.kernels:
