@@ -167,6 +167,15 @@ def outline(code: list[Instruction], loop: Loop) -> list[str]:
     return lines
 
 
+def load(path: Path) -> tuple[list[Instruction], list[Loop], Loop]:
+    """A kernel's code, its HGMMA loops and the main one among them."""
+    code = read_kernel(path)
+    loops = hgmma_loops(code)
+    if not loops:
+        raise SystemExit(f"{path}: no loop issues HGMMA")
+    return code, loops, main_loop(loops)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kernels", type=Path, nargs="+", help="SASS text or ncu source CSV")
@@ -176,22 +185,14 @@ def main() -> None:
 
     if args.outline:
         for path in args.kernels:
-            code = read_kernel(path)
-            loops = hgmma_loops(code)
-            if not loops:
-                raise SystemExit(f"{path}: no loop issues HGMMA")
-            best = main_loop(loops)
+            code, _, best = load(path)
             print(describe(path, code, best, True).split("\n")[0])
             print("\n".join(outline(code, best)))
         return
 
     chosen = []
     for path in args.kernels:
-        code = read_kernel(path)
-        loops = hgmma_loops(code)
-        if not loops:
-            raise SystemExit(f"{path}: no loop issues HGMMA")
-        best = main_loop(loops)
+        code, loops, best = load(path)
         if len(args.kernels) == 1:
             for lp in loops:
                 print(describe(path, code, lp, lp is best))
