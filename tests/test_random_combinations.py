@@ -34,6 +34,14 @@ def _ids(rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
     return ids
 
 
+def _window(rng: np.random.Generator, length: int) -> tuple[int | None, int | None]:
+    """Sides up to about half the longer sequence, so that they bind for many rows."""
+    side = max(2, length // 2)
+    left = None if rng.random() < 0.25 else int(rng.integers(0, side))
+    right = None if rng.random() < 0.25 else int(rng.integers(0, side))
+    return left, right
+
+
 def draw(seed: int) -> dict:
     """The case of one seed: the arrays and check_features' keyword arguments."""
     rng = np.random.default_rng(seed)
@@ -42,10 +50,7 @@ def draw(seed: int) -> dict:
     heads_q = heads_kv * int(rng.integers(1, 4))
     head_dim = int(rng.choice(HEAD_DIMS))
     static = {"causal": bool(rng.random() < 0.5)}
-    if rng.random() < 0.5:
-        left = None if rng.random() < 0.3 else int(rng.integers(0, 100))
-        right = None if rng.random() < 0.3 else int(rng.integers(0, 100))
-        static["window"] = (left, right)
+    windowed = rng.random() < 0.5
     if rng.random() < 0.35:
         static["softcap"] = float(rng.uniform(1.0, 30.0))
     if rng.random() < 0.3:
@@ -64,11 +69,15 @@ def draw(seed: int) -> dict:
         if count and rng.random() < 0.5:
             static["max_seqlen_q"] = int(lens_q.max())
             static["max_seqlen_k"] = int(lens_k.max())
+        if windowed:
+            static["window"] = _window(rng, int(max(lens_q.max(initial=1), lens_k.max(initial=1))))
         return dict(q=q, k=k, v=v, sinks=sinks, cu_seqlens=cu, segment_ids=None, static=static)
     batch = int(rng.integers(1, 3))
     seqlen_q = int(rng.integers(1, 200))
     seqlen_k = seqlen_q if rng.random() < 0.3 else int(rng.integers(1, 200))
     q, k, v = make_qkv(rng, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **shape)
+    if windowed:
+        static["window"] = _window(rng, max(seqlen_q, seqlen_k))
     segment_ids = None
     if rng.random() < 0.35:
         q_ids = _ids(rng, batch, seqlen_q)
