@@ -330,7 +330,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   constexpr bool kSplitQ = Tr::kSplitQ;
   constexpr int kSCols = Tr::kSCols;
   constexpr int kDkCols = Tr::kDkCols;
-  const int cw = warpgroup - 1;
+  // Warp-uniform in the compiler's view too, so that the shared-memory offsets and wgmma
+  // descriptors derived from it stay on the uniform datapath instead of being computed per
+  // thread and moved to uniform registers before every wgmma.
+  const int cw = warp_uniform(warpgroup - 1);
   const int g = lane / 4;
   const int t = lane % 4;
   // The warpgroup's key rows (of the tile), its S^T query columns (of the pair's query tile)
