@@ -45,6 +45,12 @@ struct BwdWgmmaArgs {
 #define JAX_FLASH_BWD_M128 1
 #endif
 
+// The 128-query pair's order (BwdWgmmaTraits::kLateP): 0, the packed f16 factor; 1, P kept
+// float32 and dV issued after dS^T. An experiment's switch until measured on a GPU.
+#ifndef JAX_FLASH_BWD_LATE_P
+#define JAX_FLASH_BWD_LATE_P 0
+#endif
+
 // kMasked: the band has a finite bound or segment ids are given, so tile pairs inside a sequence
 // may be skipped or need element masking (without it only the end of a sequence is masked).
 // kSoftcap: logit soft-capping.
@@ -127,6 +133,14 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   //   predicate per element.
   static constexpr bool kPair128 = kBlockM == 128;
   static_assert(!kPair128 || !kSplitQ);
+  // kLateP (JAX_FLASH_BWD_LATE_P, an experiment until measured; not with soft-capping, whose
+  // dS factor is not P): the 128-query pair in the order of a 64-query one without the dV GEMM's
+  // early issue, as FlashAttention-3 runs this tile. dP^T is one GEMM issued with S^T; P stays
+  // float32 in s, dS^T replaces dP^T, and only then are both converted to 16 bits and dV += P^T dO
+  // issued, after the dS^T stores. The peak is again S^T, dP^T, dK and dV (192 registers),
+  // without the f16 factor, its conversions and the split dP^T. kPackedFactor: the scheme above.
+  static constexpr bool kLateP = kPair128 && !kSoftcap && JAX_FLASH_BWD_LATE_P != 0;
+  static constexpr bool kPackedFactor = kPair128 && !kLateP;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
