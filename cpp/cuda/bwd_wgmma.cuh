@@ -330,7 +330,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   constexpr bool kSplitQ = Tr::kSplitQ;
   constexpr int kSCols = Tr::kSCols;
   constexpr int kDkCols = Tr::kDkCols;
-  const int cw = warpgroup - 1;
+  // Warp-uniform in the compiler's view too, so that the shared-memory offsets and wgmma
+  // descriptors derived from it stay on the uniform datapath instead of being computed per
+  // thread and moved to uniform registers before every wgmma.
+  const int cw = warp_uniform(warpgroup - 1);
   const int g = lane / 4;
   const int t = lane % 4;
   // The warpgroup's key rows (of the tile), its S^T query columns (of the pair's query tile)
@@ -362,7 +365,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     for (int i = 0; i < Tr::kDqCols / 2; ++i) dq[i] = 0.f;
     uint32_t p[kSCols / 16][4];
     uint32_t ds[kSCols / 16][4];
-    // The factor of dS as f16 pairs (kPair128 only; otherwise it stays in s and this goes unused).
+    // The factor of dS as f16 pairs (kPackedFactor only; otherwise it stays in s and this goes
+    // unused).
     uint32_t wh[kSCols / 16][4];
 
     // A operands of S^T and dP^T: this warpgroup's 64 rows of K and V, K-major.
@@ -419,7 +423,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
 
       // S^T = K Q^T and dP^T = V dO^T over the head dimension, 16 columns per wgmma. With
-      // kPair128 only dP^T's first half (queries 0-63) here; the second follows the P^T math.
+      // kPackedFactor only dP^T's first half (queries 0-63) here; the second follows the P^T math.
       wgmma_fence();
       wgmma_ss_kmajor<kSCols, kD, Tr::kKVPanelBytes, Tr::kQPanelBytes, T>(s, k_desc, q_desc);
       wgmma_commit();
@@ -428,7 +432,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         mbar_wait(bar_full_do(stage), (slot / kStages) & 1);
         wgmma_fence();
       }
-      if constexpr (Tr::kPair128) {
+      if constexpr (Tr::kPackedFactor) {
         wgmma_ss_kmajor<kSCols / 2, kD, Tr::kKVPanelBytes, Tr::kQPanelBytes, T>(acc_half<0>(dp),
                                                                                 v_desc, do_desc);
       } else {
@@ -440,9 +444,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       wgmma_wait<1>();
       fence_operand(s);
       // P^T and dS^T on the unmasked path or, for a masked pair, with element masking (the two
-      // are separate copies so that unmasked pairs pay nothing for the mask; kPair128 runs one
-      // P^T pass for both and masks its packed results).
-      if constexpr (Tr::kPair128) {
+      // are separate copies so that unmasked pairs pay nothing for the mask; kPackedFactor runs
+      // one P^T pass for both and masks its packed results).
+      if constexpr (Tr::kPackedFactor) {
         bwd_probs<Tr, false>(s, p, wh, stage_lse(stage) + q0, stage_qid(stage) + q0, hdr->mask,
                              false, kvid_s, key, q0, t, args);
         if (flags & kPairMasked) {
@@ -552,17 +556,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       } else {
         // dV += P^T dO over the tile's queries, 16 per wgmma, with dO as the MN-major B operand
         // (head_dim contiguous, as V in the forward's O += P V); it runs under the dS math, the
-        // dS^T stores and the barrier below. With kPair128 dP^T's second half goes first.
-        wgmma_fence();
-        if constexpr (Tr::kPair128) {
-          wgmma_ss_kmajor<kSCols / 2, kD, Tr::kKVPanelBytes, Tr::kQPanelBytes, T>(
-              acc_half<1>(dp), v_desc, desc_advance(do_desc, kSCols / 2 * Tr::kRowBytes));
+        // dS^T stores and the barrier below. With kPackedFactor dP^T's second half goes first;
+        // kLateP issues dV after the dS^T stores (below), its P^T not yet converted here.
+        if constexpr (!Tr::kLateP) {
+          wgmma_fence();
+          if constexpr (Tr::kPackedFactor) {
+            wgmma_ss_kmajor<kSCols / 2, kD, Tr::kKVPanelBytes, Tr::kQPanelBytes, T>(
+                acc_half<1>(dp), v_desc, desc_advance(do_desc, kSCols / 2 * Tr::kRowBytes));
+            wgmma_commit();
+          }
+          wgmma_rs_mn<kDkCols, kBlockM / 16, T>(dv, p, do_mn_desc);
           wgmma_commit();
         }
-        wgmma_rs_mn<kDkCols, kBlockM / 16, T>(dv, p, do_mn_desc);
-        wgmma_commit();
 
-        if constexpr (Tr::kPair128) {
+        if constexpr (Tr::kPackedFactor) {
           // dS^T of the first 64 queries while the second half of dP^T may still run, then of
           // the rest (groups retire in order).
           wgmma_wait<2>();
@@ -580,8 +587,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             bwd_dscores<Tr, false, kSCols / 16, kSCols / 8>(dp, s, wh, stage_delta(stage), t);
           }
         } else {
-          // Leaving one group pending means dP^T is done while dV may still run.
-          wgmma_wait<1>();
+          // Leaving one group pending means dP^T is done while dV may still run (kLateP: dP^T is
+          // the only group in flight).
+          wgmma_wait<Tr::kLateP ? 0 : 1>();
           fence_operand(dp);
           if (flags & kPairMasked) {
             bwd_dscores<Tr, true>(dp, s, wh, stage_delta(stage), t);
@@ -589,6 +597,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             bwd_dscores<Tr, false>(dp, s, wh, stage_delta(stage), t);
           }
         }
+        if constexpr (Tr::kLateP) convert_p<kBlockM, T>(s, p);
         convert_p<kBlockM, T>(dp, ds);
 
         // dS^T to shared memory: key row kr of the 128-key tile, query pair (8i + 2t, +1) in
@@ -601,6 +610,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           const int sg = Tr::kPair128 ? sid % 32 / 4 : g;
           const int st = Tr::kPair128 ? sid % 4 : t;
           store_operand_tile<Tr::kDsPanels, Tr::kDsPanelBytes>(ds_tile, ds, srow, 0, sg, st);
+        }
+        if constexpr (Tr::kLateP) {
+          // dV += P^T dO now that P^T is 16-bit: it runs under the barrier and the dQ GEMM's
+          // issue, and is the first of the three groups the waits below count.
+          wgmma_fence();
+          wgmma_rs_mn<kDkCols, kBlockM / 16, T>(dv, p, do_mn_desc);
+          wgmma_commit();
         }
         fence_proxy_async_smem();
         named_barrier_sync(kBwdBarConsumers, 128 * Tr::kConsumerWarpgroups);

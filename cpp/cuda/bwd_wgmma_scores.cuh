@@ -41,7 +41,7 @@ __device__ __forceinline__ void zero_tile_rows(uint8_t* tile, int row0) {
   }
 }
 
-// kPair128's element masking as two bit masks, one per accumulator row r of the thread (key
+// kPackedFactor's element masking as two bit masks, one per accumulator row r of the thread (key
 // kc = `key` + 8r): bit 2i + e of vis[r] says whether query q0 + 8i + 2t + e sees that key (the
 // TileMask, TileMask::pair_row_bits, and with `seg` the segment ids). Two registers instead of a
 // predicate per element.
@@ -69,7 +69,7 @@ __device__ __forceinline__ void bwd_visible_bits(uint32_t (&vis)[2], const int* 
   }
 }
 
-// kPair128's element masking, applied to the 16-bit P^T (p) and the f16 factor of dS (wh) once
+// kPackedFactor's element masking, applied to the 16-bit P^T (p) and the f16 factor of dS (wh) once
 // bwd_probs has computed them unmasked: the 16-bit half of each element that bwd_visible_bits
 // hides is cleared, bitwise, so whatever the unmasked math gave there (inf, NaN) is gone, as with
 // the selects of the float path. Masked and unmasked pairs thus share one P^T pass, and the mask
@@ -98,9 +98,10 @@ __device__ __forceinline__ void bwd_mask_packed(uint32_t (&p)[Tr::kSCols / 16][4
 // P^T of one pair from S^T (both in s on entry): accumulator element 4i + 2r + e is (key row
 // g + 8r, query column 8i + 2t + e), i.e. tile-local key `key` + 8r and query q0 + 8i + 2t + e
 // (lse_s and qid_s point at query q0's entries). On exit s holds the factor of dS, P or
-// P (1 - t^2) with soft-capping (kPair128: wh holds it as f16 pairs in p's layout, and s is dead),
-// and p the 16-bit P packed as it is computed into the register fragments of the dV GEMM (k16 step
-// i / 2, register 2 (i % 2) + r: the layout convert_p produces). With kMask, elements the TileMask
+// P (1 - t^2) with soft-capping (kPackedFactor: wh holds it as f16 pairs in p's layout, and s is
+// dead), and p the 16-bit P packed as it is computed into the register fragments of the dV GEMM
+// (k16 step i / 2, register 2 (i % 2) + r: the layout convert_p produces; kLateP leaves p to a
+// later convert_p of s, which then holds P). With kMask, elements the TileMask
 // (or, with `seg`, the segment ids) hides are selected to 0, never multiplied, so a NaN there
 // cannot leak.
 template <class Tr, bool kMask>
@@ -111,7 +112,7 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Tr::kSCols / 2],
                                           const int* kvid_s, int key, int q0, int t,
                                           const BwdWgmmaArgs& args) {
   using T = typename Tr::Element;
-  static_assert(!(kMask && Tr::kPair128), "kPair128 masks afterwards (bwd_mask_packed)");
+  static_assert(!(kMask && Tr::kPackedFactor), "kPackedFactor masks afterwards (bwd_mask_packed)");
   // The band as a window of query offsets per accumulator row r: query q0 + 2t + o sees key
   // `key` + 8r iff first[r] <= o <= last[r] (none past the sequence's keys). Each element then
   // costs two compares with a constant offset o = 8i + e, where TileMask::visible, evaluated per
@@ -164,20 +165,20 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Tr::kSCols / 2],
         w0 = v0 ? w0 : 0.f;
         w1 = v1 ? w1 : 0.f;
       }
-      if constexpr (Tr::kPair128) {
+      if constexpr (Tr::kPackedFactor) {
         wh[i / 2][2 * (i % 2) + r] = tc::pack2<__half>(w0, w1);
       } else {
         s[4 * i + 2 * r] = w0;
         s[4 * i + 2 * r + 1] = w1;
       }
-      p[i / 2][2 * (i % 2) + r] = tc::pack2<T>(p0, p1);
+      if constexpr (!Tr::kLateP) p[i / 2][2 * (i % 2) + r] = tc::pack2<T>(p0, p1);
     }
   }
 }
 
 // dS^T = P^T (dP^T - delta) in place of dP^T, delta broadcast along the key rows, with w (the
-// factor bwd_probs left in s, or with kPair128 in wh) for P^T. With kMask every masked element has
-// w = 0 and is selected to 0, since dP^T there may come from a neighbour's V rows; a visible
+// factor bwd_probs left in s, or with kPackedFactor in wh) for P^T. With kMask every masked element
+// has w = 0 and is selected to 0, since dP^T there may come from a neighbour's V rows; a visible
 // element whose P underflowed to 0 gets 0 either way.
 template <class Tr, bool kMask, int kI0 = 0, int kI1 = Tr::kSCols / 8>
 __device__ __forceinline__ void bwd_dscores(float (&dp)[Tr::kSCols / 2],
@@ -190,7 +191,7 @@ __device__ __forceinline__ void bwd_dscores(float (&dp)[Tr::kSCols / 2],
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float w0, w1;
-      if constexpr (Tr::kPair128) {
+      if constexpr (Tr::kPackedFactor) {
         const uint32_t bits = wh[i / 2][2 * (i % 2) + r];
         const float2 wf = __half22float2(*reinterpret_cast<const __half2*>(&bits));
         w0 = wf.x;

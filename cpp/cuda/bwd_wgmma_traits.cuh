@@ -45,6 +45,13 @@ struct BwdWgmmaArgs {
 #define JAX_FLASH_BWD_M128 1
 #endif
 
+// The pair's order (BwdWgmmaTraits::kLateP), bit 1 for head_dim 64, bit 2 for head_dim 128:
+// clear, dV issued early (with 128-query pairs the packed f16 factor); set, P kept float32 and dV
+// issued after dS^T. An experiment's switch until measured on a GPU.
+#ifndef JAX_FLASH_BWD_LATE_P
+#define JAX_FLASH_BWD_LATE_P 0
+#endif
+
 // kMasked: the band has a finite bound or segment ids are given, so tile pairs inside a sequence
 // may be skipped or need element masking (without it only the end of a sequence is masked).
 // kSoftcap: logit soft-capping.
@@ -127,6 +134,17 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   //   predicate per element.
   static constexpr bool kPair128 = kBlockM == 128;
   static_assert(!kPair128 || !kSplitQ);
+  // kLateP (JAX_FLASH_BWD_LATE_P, an experiment until measured; not with soft-capping, whose
+  // dS factor is not P, nor at head_dim 256): the pair in FlashAttention-3's order. dP^T is one
+  // GEMM issued with S^T; P stays float32 in s, dS^T replaces dP^T, and only then are both
+  // converted to 16 bits and dV += P^T dO issued, after the dS^T stores, where otherwise dV is
+  // issued as soon as P^T is 16-bit and runs under the dS math. For the 128-query pair the peak
+  // is again S^T, dP^T, dK and dV (192 registers), without the f16 factor, its conversions and
+  // the split dP^T; for the 64-query pair of head_dim 128, 192 instead of 208 with P^T.
+  // kPackedFactor: the 128-query scheme above.
+  static constexpr bool kLateP =
+      !kSplitQ && !kSoftcap && (JAX_FLASH_BWD_LATE_P & (kD == 64 ? 1 : 2)) != 0;
+  static constexpr bool kPackedFactor = kPair128 && !kLateP;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
