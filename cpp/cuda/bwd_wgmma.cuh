@@ -495,7 +495,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // dV += P^T dO and dK += dS^T Q over the tile's queries (this warpgroup's columns
         // first, from registers, then the other's), then dQ_i = dS K over the tile's 64 keys,
         // kDqCols columns per GEMM (A = dS^T read as MN-major dS, B = K MN-major).
-        // dQ half h: kDqCols columns of dS K, A = dS^T read as MN-major dS, B = K panel h.
+        // dQ_i's half h (K panel h).
         const auto dq_gemm = [&](int h) {
 #pragma unroll
           for (int k = 0; k < kBlockN / 16; ++k) {
