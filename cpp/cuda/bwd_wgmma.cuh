@@ -496,30 +496,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // dV += P^T dO and dK += dS^T Q over the tile's queries (this warpgroup's columns
         // first, from registers, then the other's), then dQ_i = dS K over the tile's 64 keys,
         // kDqCols columns per GEMM (A = dS^T read as MN-major dS, B = K MN-major).
-        wgmma_fence();
-        wgmma_rs_mn<kDkCols, kSCols / 16, T>(dv, p, desc_advance(do_mn_desc, q0 * Tr::kRowBytes));
-        wgmma_rs_mn<kDkCols, kSCols / 16, T>(dv, p_other,
-                                             desc_advance(do_mn_desc, q_other * Tr::kRowBytes));
-        wgmma_rs_mn<kDkCols, kSCols / 16, T>(dk, ds, desc_advance(q_mn_desc, q0 * Tr::kRowBytes));
-        wgmma_rs_mn<kDkCols, kSCols / 16, T>(dk, ds_other,
-                                             desc_advance(q_mn_desc, q_other * Tr::kRowBytes));
-        // The header is read before the release lets the producer rewrite it.
-        const int64_t dq_offset = hdr->dq_offset;
-        const int rows = hdr->rows;
-        const int m0 = hdr->m0;
-        const int ctid = fresh_thread_index() - 128;
-        // There is no shared memory left for a dQ staging buffer, but once this warpgroup's dV
-        // and dK are done, the panels of Q and dO holding its columns are dead: the other
-        // warpgroup reads only its own columns after the exchange barrier. dQ_i's first kDqCols
-        // columns are staged in the Q panels, the next in the dO panels, and the stage goes back
-        // to the producer only once the writer warp's TMA reductions have read them. Packed
-        // tails add from registers instead.
-        const bool staged = (flags & kPairZeroRows) == 0;
-        static_assert(Tr::kDqGemms == 2 && Tr::kDqCols == 2 * 32 && Tr::kQPanelBytes == 8192,
-                      "each dQ GEMM fills the two panels of Q or dO that hold its columns");
-#pragma unroll
-        for (int h = 0; h < Tr::kDqGemms; ++h) {
-          wgmma_fence();
+        // dQ_i's half h (K panel h).
+        const auto dq_gemm = [&](int h) {
 #pragma unroll
           for (int k = 0; k < kBlockN / 16; ++k) {
             wgmma_ss_trans<Tr::kDqCols, T>(
@@ -528,11 +506,54 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 k > 0 ? 1u : 0u);
           }
           wgmma_commit();
-          wgmma_wait<0>();
+        };
+        wgmma_fence();
+        // kDqFirst: groups dQ_0, dV, dK (then dQ_1); otherwise one group dV + dK + dQ_0.
+        if constexpr (Tr::kDqFirst) dq_gemm(0);
+        wgmma_rs_mn<kDkCols, kSCols / 16, T>(dv, p, desc_advance(do_mn_desc, q0 * Tr::kRowBytes));
+        wgmma_rs_mn<kDkCols, kSCols / 16, T>(dv, p_other,
+                                             desc_advance(do_mn_desc, q_other * Tr::kRowBytes));
+        if constexpr (Tr::kDqFirst) wgmma_commit();
+        wgmma_rs_mn<kDkCols, kSCols / 16, T>(dk, ds, desc_advance(q_mn_desc, q0 * Tr::kRowBytes));
+        wgmma_rs_mn<kDkCols, kSCols / 16, T>(dk, ds_other,
+                                             desc_advance(q_mn_desc, q_other * Tr::kRowBytes));
+        if constexpr (Tr::kDqFirst) wgmma_commit();
+        // The header is read before the release lets the producer rewrite it.
+        const int64_t dq_offset = hdr->dq_offset;
+        const int rows = hdr->rows;
+        const int m0 = hdr->m0;
+        const int ctid = fresh_thread_index() - 128;
+        // There is no shared memory left for a dQ staging buffer, but once this warpgroup's dV
+        // (dK) is done, the panels of dO (Q) holding its columns are dead: the other warpgroup
+        // reads only its own columns after the exchange barrier. dQ_i's first kDqCols columns
+        // are staged in the Q panels, the next in the dO panels (kDqFirst: the other way round,
+        // each as soon as the GEMM that read the panels is done), and the stage goes back to the
+        // producer only once the writer warp's TMA reductions have read them. Packed tails add
+        // from registers instead.
+        const bool staged = (flags & kPairZeroRows) == 0;
+        static_assert(Tr::kDqGemms == 2 && Tr::kDqCols == 2 * 32 && Tr::kQPanelBytes == 8192,
+                      "each dQ GEMM fills the two panels of Q or dO that hold its columns");
+#pragma unroll
+        for (int h = 0; h < Tr::kDqGemms; ++h) {
+          if constexpr (Tr::kDqFirst) {
+            // h = 0: dQ_0 and dV are done, dK may run on. h = 1: everything.
+            if (h == 1) {
+              wgmma_fence();
+              dq_gemm(1);
+              wgmma_wait<0>();
+            } else {
+              wgmma_wait<1>();
+            }
+          } else {
+            wgmma_fence();
+            dq_gemm(h);
+            wgmma_wait<0>();
+          }
           fence_operand(dq);
           if (staged) {
-            uint8_t* const panels = smem + (h == 0 ? Tr::kQOffset : Tr::kDoOffset) +
-                                    stage * Tr::kQStageBytes + col_panel;
+            const bool in_q = (h == 0) != Tr::kDqFirst;
+            uint8_t* const panels =
+                smem + (in_q ? Tr::kQOffset : Tr::kDoOffset) + stage * Tr::kQStageBytes + col_panel;
             stage_dq_boxes<Tr::kDqCols>(panels, dq, ctid);
           } else {
             bwd_dq_atomics<Tr>(dq, dq_offset, rows, m0, cw, ctid, cta_tile, args, 0,

@@ -209,15 +209,16 @@ __device__ __forceinline__ void bwd_dq_writer_split(const CUtensorMap* tm_dq, ui
     // The warpgroup's columns' panels of the stage.
     const uint32_t panels =
         stage * Tr::kQStageBytes + cw * Tr::kDkCols / Tr::kPanelCols * Tr::kQPanelBytes;
-    // The second half is staged in the dO panels, which the first half's reductions do not read:
-    // the consumers may hand it over at once, so that they never wait for the deterministic turn.
+    // The second half is staged in the other panels (dO, with kDqFirst Q), which the first
+    // half's reductions do not read: the consumers may hand it over at once, so that they never
+    // wait for the deterministic turn.
     named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
     int32_t* sem = nullptr;
     for (int half = 0; half < 2; ++half) {
       if (half == 1) {
         __syncwarp();
         named_barrier_sync(kBwdBarDqStagedBase + cw, kBwdDqHandoffThreads);
-        // The next pair's first half is staged in the next stage's Q panels: it may come at once
+        // The next pair's first half is staged in the next stage's panels: it may come at once
         // too.
         named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
       }
@@ -231,7 +232,9 @@ __device__ __forceinline__ void bwd_dq_writer_split(const CUtensorMap* tm_dq, ui
           sem = args.dq_semaphores + hdr->dq_offset / Tr::kD * kDqCounters + cw;
           dq_turn_wait(sem, dq_ticket(cta_tile->mask, m0, hdr->rows, cta_tile->n0, Tr::kBlockN));
         }
-        dq_reduce_boxes<2, Tr::kDqBoxRows, 1>(tm_dq, (half == 0 ? q_smem : do_smem) + panels,
+        // With kDqFirst the first half is in the dO panels and the second in the Q panels.
+        const uint32_t half_smem = (half == 0) != Tr::kDqFirst ? q_smem : do_smem;
+        dq_reduce_boxes<2, Tr::kDqBoxRows, 1>(tm_dq, half_smem + panels,
                                               cw * Tr::kDkCols + 64 * half, hdr->head, at);
         tma_commit();
       }

@@ -52,6 +52,13 @@ struct BwdWgmmaArgs {
 #define JAX_FLASH_BWD_LATE_P 0
 #endif
 
+// Head_dim 256's dQ order (BwdWgmmaTraits::kDqFirst): 0, dV and dK then both dQ halves, each
+// waited for in full; 1, the first dQ half before dV and dK. An experiment's switch until
+// measured on a GPU.
+#ifndef JAX_FLASH_BWD_DQ_FIRST
+#define JAX_FLASH_BWD_DQ_FIRST 0
+#endif
+
 // kMasked: the band has a finite bound or segment ids are given, so tile pairs inside a sequence
 // may be skipped or need element masking (without it only the end of a sequence is masked).
 // kSoftcap: logit soft-capping.
@@ -145,6 +152,12 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   static constexpr bool kLateP =
       !kSplitQ && !kSoftcap && (JAX_FLASH_BWD_LATE_P & (kD == 64 ? 1 : 2)) != 0;
   static constexpr bool kPackedFactor = kPair128 && !kLateP;
+  // kDqFirst (head_dim 256, JAX_FLASH_BWD_DQ_FIRST): the first dQ half is issued before dV and
+  // dK, so that it is done, and staged, while dK still runs, and the second half queues behind
+  // dK instead of after the staging. The halves then trade places: the first is staged in the
+  // dO panels (free once dV is done), the second in the Q panels (once dK is); the writer warp
+  // reads them accordingly.
+  static constexpr bool kDqFirst = kSplitQ && JAX_FLASH_BWD_DQ_FIRST != 0;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
