@@ -47,16 +47,18 @@ struct BwdWgmmaArgs {
 
 // The pair's order (BwdWgmmaTraits::kLateP), bit 1 for head_dim 64, bit 2 for head_dim 128:
 // clear, dV issued early (with 128-query pairs the packed f16 factor); set, P kept float32 and dV
-// issued after dS^T. An experiment's switch until measured on a GPU.
+// issued after dS^T. Measured on the H200 (docs/PERF_LOG.md): head_dim 64 +5-6% unmasked and
+// +3-4% causal over the early order, head_dim 128 +2% unmasked but -1 to +1% causal, so only
+// bit 1 is on.
 #ifndef JAX_FLASH_BWD_LATE_P
-#define JAX_FLASH_BWD_LATE_P 0
+#define JAX_FLASH_BWD_LATE_P 1
 #endif
 
 // Head_dim 256's dQ order (BwdWgmmaTraits::kDqFirst): 0, dV and dK then both dQ halves, each
-// waited for in full; 1, the first dQ half before dV and dK. An experiment's switch until
-// measured on a GPU.
+// waited for in full; 1 (default, +8% unmasked and +3-5% causal on the H200), the first dQ half
+// before dV and dK.
 #ifndef JAX_FLASH_BWD_DQ_FIRST
-#define JAX_FLASH_BWD_DQ_FIRST 0
+#define JAX_FLASH_BWD_DQ_FIRST 1
 #endif
 
 // kMasked: the band has a finite bound or segment ids are given, so tile pairs inside a sequence
@@ -141,7 +143,7 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   //   predicate per element.
   static constexpr bool kPair128 = kBlockM == 128;
   static_assert(!kPair128 || !kSplitQ);
-  // kLateP (JAX_FLASH_BWD_LATE_P, an experiment until measured; not with soft-capping, whose
+  // kLateP (JAX_FLASH_BWD_LATE_P; not with soft-capping, whose
   // dS factor is not P, nor at head_dim 256): the pair in FlashAttention-3's order. dP^T is one
   // GEMM issued with S^T; P stays float32 in s, dS^T replaces dP^T, and only then are both
   // converted to 16 bits and dV += P^T dO issued, after the dS^T stores, where otherwise dV is
