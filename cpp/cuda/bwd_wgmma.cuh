@@ -551,9 +551,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           }
           fence_operand(dq);
           if (staged) {
-            const bool in_q = (h == 0) != Tr::kDqFirst;
-            uint8_t* const panels =
-                smem + (in_q ? Tr::kQOffset : Tr::kDoOffset) + stage * Tr::kQStageBytes + col_panel;
+            uint8_t* const panels = smem + (Tr::dq_half_in_q(h) ? Tr::kQOffset : Tr::kDoOffset) +
+                                    stage * Tr::kQStageBytes + col_panel;
             stage_dq_boxes<Tr::kDqCols>(panels, dq, ctid);
           } else {
             bwd_dq_atomics<Tr>(dq, dq_offset, rows, m0, cw, ctid, cta_tile, args, 0,

@@ -232,9 +232,8 @@ __device__ __forceinline__ void bwd_dq_writer_split(const CUtensorMap* tm_dq, ui
           sem = args.dq_semaphores + hdr->dq_offset / Tr::kD * kDqCounters + cw;
           dq_turn_wait(sem, dq_ticket(cta_tile->mask, m0, hdr->rows, cta_tile->n0, Tr::kBlockN));
         }
-        // With kDqFirst the first half is in the dO panels and the second in the Q panels.
-        const uint32_t half_smem = (half == 0) != Tr::kDqFirst ? q_smem : do_smem;
-        dq_reduce_boxes<2, Tr::kDqBoxRows, 1>(tm_dq, half_smem + panels,
+        dq_reduce_boxes<2, Tr::kDqBoxRows, 1>(tm_dq,
+                                              (Tr::dq_half_in_q(half) ? q_smem : do_smem) + panels,
                                               cw * Tr::kDkCols + 64 * half, hdr->head, at);
         tma_commit();
       }

@@ -143,13 +143,13 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   //   predicate per element.
   static constexpr bool kPair128 = kBlockM == 128;
   static_assert(!kPair128 || !kSplitQ);
-  // kLateP (JAX_FLASH_BWD_LATE_P; not with soft-capping, whose
-  // dS factor is not P, nor at head_dim 256): the pair in FlashAttention-3's order. dP^T is one
-  // GEMM issued with S^T; P stays float32 in s, dS^T replaces dP^T, and only then are both
-  // converted to 16 bits and dV += P^T dO issued, after the dS^T stores, where otherwise dV is
-  // issued as soon as P^T is 16-bit and runs under the dS math. For the 128-query pair the peak
-  // is again S^T, dP^T, dK and dV (192 registers), without the f16 factor, its conversions and
-  // the split dP^T; for the 64-query pair of head_dim 128, 192 instead of 208 with P^T.
+  // kLateP (JAX_FLASH_BWD_LATE_P; not with soft-capping, whose dS factor is not P, nor at head_dim
+  // 256): the pair in FlashAttention-3's order. dP^T is one GEMM issued with S^T; P stays float32
+  // in s, dS^T replaces dP^T, and only then are both converted to 16 bits and dV += P^T dO issued,
+  // after the dS^T stores, where otherwise dV is issued as soon as P^T is 16-bit and runs under the
+  // dS math. For the 128-query pair the peak is again S^T, dP^T, dK and dV (192 registers), without
+  // the f16 factor, its conversions and the split dP^T; for the 64-query pair of head_dim 128, 192
+  // instead of 208 with P^T.
   // kPackedFactor: the 128-query scheme above.
   static constexpr bool kLateP =
       !kSplitQ && !kSoftcap && (JAX_FLASH_BWD_LATE_P & (kD == 64 ? 1 : 2)) != 0;
@@ -160,6 +160,9 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // dO panels (free once dV is done), the second in the Q panels (once dK is); the writer warp
   // reads them accordingly.
   static constexpr bool kDqFirst = kSplitQ && JAX_FLASH_BWD_DQ_FIRST != 0;
+  // Whether dQ half h is staged in the Q panels (else the dO panels): the consumers stage it
+  // there and the writer warp reduces it from there.
+  __host__ __device__ static constexpr bool dq_half_in_q(int h) { return (h == 0) != kDqFirst; }
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
