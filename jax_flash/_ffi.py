@@ -25,6 +25,17 @@ BWD_CUDA = "jax_flash_bwd_cuda"
 DECODE_CPU = "jax_flash_decode_cpu"
 DECODE_CUDA = "jax_flash_decode_cuda"
 SEGMENTS_CUDA = "jax_flash_segments_cuda"
+# Every target the package can emit, whichever backends this build has: a function lowered for a
+# platform this build lacks (jax.export's `platforms`) still names that platform's targets.
+ALL_TARGETS: tuple[str, ...] = (
+    FWD_CPU,
+    BWD_CPU,
+    DECODE_CPU,
+    FWD_CUDA,
+    BWD_CUDA,
+    DECODE_CUDA,
+    SEGMENTS_CUDA,
+)
 
 HAS_CUDA: bool = bool(_jax_flash.has_cuda)
 BUILT_FFI_API: tuple[int, int] = tuple(_jax_flash.xla_ffi_api_version)
