@@ -4,10 +4,10 @@ A consumer warpgroup stages its dQ_i accumulators (64 query rows x kCols float32
 m64nNk16 accumulator layout: lane 4g + t of warp w holds row 16w + g + 8r, columns 8i + 2t + e
 as element 4i + 2r + e) in 32-column boxes of 64 128-byte rows with the 128-byte swizzle, which
 TMA reductions then add into dq_accum. This models, address by address, two ways of writing them
-(`cpp/cuda/bwd_wgmma_dq.cuh`, `stage_dq_boxes`):
+(`stage_dq_boxes` in `cpp/cuda/bwd_wgmma_dq.cuh` writes the first):
 - natural: dq_accum in the natural column order, one 8-byte store a column pair;
-- stmatrix: dq_accum in `dq_accum_position` order (each aligned group of 8 columns holds its even
-  columns first), one stmatrix.x4 a group of 8 columns;
+- stmatrix: dq_accum with each aligned group of 8 columns holding its even columns first, one
+  stmatrix.x4 a group of 8 columns;
 and prints the shared-memory wavefronts each store instruction needs against the ideal, after
 checking that every element reaches its own (row, column) of dq_accum through the box's swizzle
 and that the convert kernel's interleave restores the natural order. A 4-byte access of a whole
@@ -25,7 +25,7 @@ from collections import Counter
 
 
 def dq_accum_position(col: int) -> int:
-    """As `dq_accum_position` in cpp/cuda/dq_convert.cuh."""
+    """Where column col is stored when each aligned group of 8 holds its even columns first."""
     return (col & ~7) | ((col & 1) << 2) | ((col & 7) >> 1)
 
 
