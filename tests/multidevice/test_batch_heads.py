@@ -287,3 +287,25 @@ def test_attention_inside_shard_map_with_gradients(rng):
     )(q, k, v)
     for a, b in zip(got, want, strict=True):
         assert rel_l2(a, b) <= 1e-6
+
+
+def test_shard_map_function_exports(rng):
+    # jax.export serializes a multi-device function whose attention runs inside shard_map (each
+    # device's call is a plain custom call); XLA-partitioned calls carry custom_partitioning's
+    # host callback, which jax.export cannot serialize (README, "Exporting with jax.export").
+    from jax import export
+
+    m = mesh((8,), ("data",))
+    q, k, v = make_qkv(rng, batch=8, seqlen_q=16, seqlen_k=16, heads_q=2, head_dim=16)
+    batch = P("data")
+    step = jax.jit(
+        jax.shard_map(
+            lambda q, k, v: jax_flash.attention(q, k, v, causal=True),
+            mesh=m, in_specs=(batch,) * 3, out_specs=batch,
+        )
+    )  # fmt: skip
+    args = [jax.device_put(x, NamedSharding(m, batch)) for x in (q, k, v)]
+    exported = export.export(step, disabled_checks=jax_flash.disabled_export_checks())(*args)
+    assert exported.nr_devices == 8
+    got = exported.call(*args)
+    assert np.array_equal(np.asarray(got), np.asarray(step(*args)))
