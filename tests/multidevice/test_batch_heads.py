@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_qkv, normal, rel_l2, segments_from_lengths
+from jax import export
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from spmd import collectives, mesh, shardy_flag_available
@@ -293,8 +294,6 @@ def test_shard_map_function_exports(rng):
     # jax.export serializes a multi-device function whose attention runs inside shard_map (each
     # device's call is a plain custom call); XLA-partitioned calls carry custom_partitioning's
     # host callback, which jax.export cannot serialize (README, "Exporting with jax.export").
-    from jax import export
-
     m = mesh((8,), ("data",))
     q, k, v = make_qkv(rng, batch=8, seqlen_q=16, seqlen_k=16, heads_q=2, head_dim=16)
     batch = P("data")
