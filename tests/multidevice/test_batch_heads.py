@@ -291,9 +291,9 @@ def test_attention_inside_shard_map_with_gradients(rng):
 
 
 def test_shard_map_function_exports(rng):
-    # jax.export serializes a multi-device function whose attention runs inside shard_map (each
+    # jax.export accepts a multi-device function whose attention runs inside shard_map (each
     # device's call is a plain custom call); XLA-partitioned calls carry custom_partitioning's
-    # host callback, which jax.export cannot serialize (README, "Exporting with jax.export").
+    # host callback, which jax.export refuses (README, "Exporting with jax.export").
     m = mesh((8,), ("data",))
     q, k, v = make_qkv(rng, batch=8, seqlen_q=16, seqlen_k=16, heads_q=2, head_dim=16)
     batch = P("data")
