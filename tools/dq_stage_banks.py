@@ -4,7 +4,8 @@ A consumer warpgroup stages its dQ_i accumulators (64 query rows x kCols float32
 m64nNk16 accumulator layout: lane 4g + t of warp w holds row 16w + g + 8r, columns 8i + 2t + e
 as element 4i + 2r + e) in 32-column boxes of 64 128-byte rows with the 128-byte swizzle, which
 TMA reductions then add into dq_accum. This models, address by address, two ways of writing them
-(`stage_dq_boxes` in `cpp/cuda/bwd_wgmma_dq.cuh` writes the first):
+(`stage_dq_boxes` in `cpp/cuda/bwd_wgmma_dq.cuh` writes the first at head_dim 64 and 128, the
+second at 256; `JAX_FLASH_BWD_DQ_STSM` chooses per head_dim):
 - natural: dq_accum in the natural column order, one 8-byte store a column pair;
 - stmatrix: dq_accum with each aligned group of 8 columns holding its even columns first, one
   stmatrix.x4 a group of 8 columns;

@@ -162,7 +162,8 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
     if (err != cudaSuccess) return err;
   }
 
-  return convert_dq<T>(p.dq_accum, p.dq, dq_elems, p.softmax_scale, stream);
+  // With kDqStsm dq_accum holds each group of 8 columns in dq_accum_position's order.
+  return convert_dq<T, Tr::kDqStsm>(p.dq_accum, p.dq, dq_elems, p.softmax_scale, stream);
 }
 
 // kMasked unless the band is unbounded and there are no segment ids; kSoftcap when capping.

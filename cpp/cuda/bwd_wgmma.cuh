@@ -553,7 +553,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           if (staged) {
             uint8_t* const panels = smem + (Tr::dq_half_in_q(h) ? Tr::kQOffset : Tr::kDoOffset) +
                                     stage * Tr::kQStageBytes + col_panel;
-            stage_dq_boxes<Tr::kDqCols>(panels, dq, ctid);
+            stage_dq_boxes<Tr::kDqCols, Tr::kDqStsm>(panels, dq, ctid);
           } else {
             bwd_dq_atomics<Tr>(dq, dq_offset, rows, m0, cw, ctid, cta_tile, args, 0,
                                col0 + h * Tr::kDqCols, h == 0, h == Tr::kDqGemms - 1);
@@ -686,7 +686,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (ctid % 32 == 0) tma_wait_read();
             __syncwarp();
           }
-          stage_dq_boxes<Tr::kDqCols>(stage_dq, dq, ctid);
+          stage_dq_boxes<Tr::kDqCols, Tr::kDqStsm>(stage_dq, dq, ctid);
           fence_proxy_async_smem();
           if (in_order) {
             // The arrival orders the staging (and thread 0's record) before the writer's reads.

@@ -36,8 +36,9 @@ __device__ __forceinline__ void bwd_dq_atomics(const float (&dq)[Tr::kDqCols / 2
     }
     named_barrier_sync(kBwdBarDsOwnBase + cw, 128);
   }
-  // Rows past the sequence get nothing.
-  float* const dq_head = args.dq_accum + dq_offset + col0 + 2 * (dq_lane % 4);
+  // Rows past the sequence get nothing. With kDqStsm columns 8i + 2t and 8i + 2t + 1 sit at
+  // 8i + t and 8i + 4 + t (dq_accum_position).
+  float* const dq_head = args.dq_accum + dq_offset + col0 + (Tr::kDqStsm ? 1 : 2) * (dq_lane % 4);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int q = row0 + (ctid % 128) / 32 * 16 + dq_lane / 4 + 8 * r;
@@ -45,7 +46,12 @@ __device__ __forceinline__ void bwd_dq_atomics(const float (&dq)[Tr::kDqCols / 2
       float* const dq_row = dq_head + static_cast<int64_t>(q) * args.heads_q * kD;
 #pragma unroll
       for (int i = 0; i < Tr::kDqCols / 8; ++i) {
-        tc::red_add_f32x2(dq_row + 8 * i, dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+        if constexpr (Tr::kDqStsm) {
+          tc::red_add_f32(dq_row + 8 * i, dq[4 * i + 2 * r]);
+          tc::red_add_f32(dq_row + 8 * i + 4, dq[4 * i + 2 * r + 1]);
+        } else {
+          tc::red_add_f32x2(dq_row + 8 * i, dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+        }
       }
     }
   }
@@ -56,21 +62,44 @@ __device__ __forceinline__ void bwd_dq_atomics(const float (&dq)[Tr::kDqCols / 2
 }
 
 // dQ_i accumulators of kCols columns staged for TMA reductions: 32-column float32 boxes of 64
-// 128-byte rows (8 KB apart from `boxes` on), element 4i + 2r + e of query row q = 16 warp + g +
-// 8r in box i / 4, 16-byte chunk 2 (i % 4) + t / 2 swizzled by q % 8 = g, 8 bytes in.
-template <int kCols>
+// 128-byte rows (8 KB apart from `boxes` on) with the 128-byte swizzle (chunk c of row q at
+// c ^ (q % 8)); element 4i + 2r + e is query row q = 16 warp + g + 8r, column 8i + 2t + e.
+// - Natural order (kStsm clear): the thread's column pair is one 8-byte store, 8 bytes into chunk
+//   2 (i % 4) + t / 2 of box i / 4. The swizzle puts rows g and g ^ 1 of a half-warp on the same
+//   banks, twice the wavefronts of the ideal (tools/dq_stage_banks.py).
+// - dq_accum_position's order (kStsm): column 8i + 2t + e sits in slot t of chunk 2 (i % 4) + e,
+//   the layout of one stmatrix.x4 a group of 8 columns: matrix 2r + e is the warp's rows 8r.. at
+//   chunk 2 (i % 4) + e, register 2r + e of lane 4g + t is that matrix's row g at slot t, and the
+//   8 rows of a matrix fall on 8 different chunks, one wavefront each.
+template <int kCols, bool kStsm>
 __device__ __forceinline__ void stage_dq_boxes(uint8_t* boxes, const float (&dq)[kCols / 2],
                                                int ctid) {
-  const int qg = ctid % 32 / 4;
-  const int qt = ctid % 4;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int q = (ctid % 128) / 32 * 16 + qg + 8 * r;
+  if constexpr (kStsm) {
+    const int lane = ctid % 32;
+    // This lane addresses row lane % 8 of matrix m = lane / 8 (accumulator row r = m / 2, chunk
+    // parity e = m % 2).
+    const int m = lane / 8;
+    const int q = (ctid % 128) / 32 * 16 + 8 * (m / 2) + lane % 8;
+    const uint32_t row = tc::smem_addr(boxes) + q * 128;
 #pragma unroll
     for (int i = 0; i < kCols / 8; ++i) {
-      const int chunk = (2 * (i % 4) + qt / 2) ^ qg;
-      *reinterpret_cast<float2*>(boxes + (i / 4) * 8192 + q * 128 + chunk * 16 + (qt % 2) * 8) =
-          make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+      const int chunk = (2 * (i % 4) + m % 2) ^ (lane % 8);
+      tc::stmatrix_x4(row + (i / 4) * 8192 + chunk * 16, __float_as_uint(dq[4 * i]),
+                      __float_as_uint(dq[4 * i + 1]), __float_as_uint(dq[4 * i + 2]),
+                      __float_as_uint(dq[4 * i + 3]));
+    }
+  } else {
+    const int qg = ctid % 32 / 4;
+    const int qt = ctid % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int q = (ctid % 128) / 32 * 16 + qg + 8 * r;
+#pragma unroll
+      for (int i = 0; i < kCols / 8; ++i) {
+        const int chunk = (2 * (i % 4) + qt / 2) ^ qg;
+        *reinterpret_cast<float2*>(boxes + (i / 4) * 8192 + q * 128 + chunk * 16 + (qt % 2) * 8) =
+            make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+      }
     }
   }
 }

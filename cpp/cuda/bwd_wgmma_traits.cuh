@@ -14,7 +14,9 @@ namespace jax_flash::cuda::sm90 {
 struct BwdWgmmaArgs {
   const float* lse;    // dense [batch, heads_q, seqlen_q], packed [heads_q, total_q]; natural log
   const float* delta;  // same layout as lse
-  float* dq_accum;     // [rows_q, heads_q, D], unscaled dS K sums
+  // [rows_q, heads_q, D], unscaled dS K sums; with kDqStsm the columns of each aligned group of
+  // 8 in dq_accum_position's order (dq_convert.cuh)
+  float* dq_accum;
   // [rows_q, heads_q, kDqCounters] counters that put each dQ tile's additions in key-tile order
   // (dq_convert.cuh); nullptr: atomics in any order. With segment ids every pair of the band is
   // then visited, since the order counts the key tiles by position, not by shared ids.
@@ -59,6 +61,16 @@ struct BwdWgmmaArgs {
 // before dV and dK.
 #ifndef JAX_FLASH_BWD_DQ_FIRST
 #define JAX_FLASH_BWD_DQ_FIRST 1
+#endif
+
+// dQ_i's staging order (BwdWgmmaTraits::kDqStsm), bit 1 for head_dim 64, bit 2 for 128, bit 4
+// for 256: set, dq_accum keeps each group of 8 columns in dq_accum_position's order and the
+// consumers stage dQ_i with stmatrix (bwd_wgmma_dq.cuh, stage_dq_boxes); clear, the natural order
+// and one 8-byte store per column pair, which takes twice the shared-memory wavefronts. Measured
+// on an H100 (docs/PERF_LOG.md): +1.5-2.5% of the backward at head_dim 256, -2 to +0.5% at 64
+// and 128, so only bit 4 is on.
+#ifndef JAX_FLASH_BWD_DQ_STSM
+#define JAX_FLASH_BWD_DQ_STSM 4
 #endif
 
 // kMasked: the band has a finite bound or segment ids are given, so tile pairs inside a sequence
@@ -163,6 +175,8 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // Whether dQ half h is staged in the Q panels (else the dO panels): the consumers stage it
   // there and the writer warp reduces it from there.
   __host__ __device__ static constexpr bool dq_half_in_q(int h) { return (h == 0) != kDqFirst; }
+  // dq_accum in dq_accum_position's order, dQ_i staged with stmatrix (JAX_FLASH_BWD_DQ_STSM).
+  static constexpr bool kDqStsm = (JAX_FLASH_BWD_DQ_STSM & (kD == 64 ? 1 : kD == 128 ? 2 : 4)) != 0;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 

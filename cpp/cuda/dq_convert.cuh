@@ -13,18 +13,40 @@
 
 namespace jax_flash::cuda {
 
-// dQ = T(scale * dq_accum), four elements per thread and step (n4 = elements / 4; head_dim is a
-// multiple of 64, so the element count is a multiple of 4).
-template <typename T>
+// Where head-dim column `col` of dQ sits in a row of dq_accum when the wgmma backward stages dQ
+// with stmatrix (BwdWgmmaTraits::kDqStsm; bwd_wgmma_dq.cuh, stage_dq_boxes): each aligned group of
+// 8 columns holds its even columns first (8i + 2t + e at 8i + 4e + t). Otherwise, and in the
+// mma.sync backward, dq_accum is in the natural order.
+JF_HOST_DEVICE constexpr int dq_accum_position(int col) {
+  return (col & ~7) | ((col & 1) << 2) | ((col & 7) >> 1);
+}
+
+// dQ = T(scale * dq_accum), eight elements (one aligned group of 8 columns) per thread and step
+// (n8 = elements / 8; head_dim is a multiple of 64, so the element count is a multiple of 8).
+// kPermuted: dq_accum is in dq_accum_position's order, which the step interleaves back.
+template <typename T, bool kPermuted>
 __global__ void dq_convert_kernel(const float4* __restrict__ dq_accum, T* __restrict__ dq,
-                                  int64_t n4, float scale) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n4;
+                                  int64_t n8, float scale) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n8;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float4 a = dq_accum[i];
-    uint2 out;
-    out.x = tc::pack2<T>(a.x * scale, a.y * scale);
-    out.y = tc::pack2<T>(a.z * scale, a.w * scale);
-    reinterpret_cast<uint2*>(dq)[i] = out;
+    const float4 a = dq_accum[2 * i];
+    const float4 b = dq_accum[2 * i + 1];
+    // Two 8-byte stores: the callers guarantee dQ 8-byte alignment, not 16.
+    uint2 lo;
+    uint2 hi;
+    if constexpr (kPermuted) {
+      lo = make_uint2(tc::pack2<T>(a.x * scale, b.x * scale),
+                      tc::pack2<T>(a.y * scale, b.y * scale));
+      hi = make_uint2(tc::pack2<T>(a.z * scale, b.z * scale),
+                      tc::pack2<T>(a.w * scale, b.w * scale));
+    } else {
+      lo = make_uint2(tc::pack2<T>(a.x * scale, a.y * scale),
+                      tc::pack2<T>(a.z * scale, a.w * scale));
+      hi = make_uint2(tc::pack2<T>(b.x * scale, b.y * scale),
+                      tc::pack2<T>(b.z * scale, b.w * scale));
+    }
+    reinterpret_cast<uint2*>(dq)[2 * i] = lo;
+    reinterpret_cast<uint2*>(dq)[2 * i + 1] = hi;
   }
 }
 
@@ -87,16 +109,16 @@ __device__ __forceinline__ void dq_pass_turn(int32_t* sem) {
 }
 #endif
 
-// dq = T(scale * dq_accum) over `elems` elements on `stream`.
-template <typename T>
+// dq = T(scale * dq_accum) over `elems` elements on `stream`; kPermuted as dq_convert_kernel.
+template <typename T, bool kPermuted = false>
 cudaError_t convert_dq(const float* dq_accum, void* dq, int64_t elems, double scale,
                        cudaStream_t stream) {
   if (elems == 0) return cudaSuccess;
   constexpr int kThreads = 256;
-  const int64_t n4 = elems / 4;
-  const int64_t blocks = std::min<int64_t>((n4 + kThreads - 1) / kThreads, 65536);
-  dq_convert_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      reinterpret_cast<const float4*>(dq_accum), static_cast<T*>(dq), n4,
+  const int64_t n8 = elems / 8;
+  const int64_t blocks = std::min<int64_t>((n8 + kThreads - 1) / kThreads, 65536);
+  dq_convert_kernel<T, kPermuted><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      reinterpret_cast<const float4*>(dq_accum), static_cast<T*>(dq), n8,
       static_cast<float>(scale));
   return cudaGetLastError();
 }

@@ -55,6 +55,20 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t sme
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row) {
   ldmatrix_x4_trans(r, smem_addr(smem_row));
 }
+// Four 8x8 matrices of 16-bit elements to shared memory (sm_90): lanes 8m..8m+7 address the rows
+// of matrix m, and each lane's register m holds 4 bytes of that matrix's row lane / 4, at byte
+// 4 (lane % 4). Any 32-bit values travel this way, not only 16-bit pairs.
+__device__ __forceinline__ void stmatrix_x4(uint32_t smem_row, uint32_t r0, uint32_t r1,
+                                            uint32_t r2, uint32_t r3) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_row),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+#else
+  __trap();
+#endif
+}
+
 __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* smem_row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
                : "=r"(r[0]), "=r"(r[1])
@@ -117,6 +131,11 @@ __device__ __forceinline__ void red_add_f32x2(float* gmem, float a, float b) {
   asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(gmem), "f"(a) : "memory");
   asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(gmem + 1), "f"(b) : "memory");
 #endif
+}
+
+// Fire-and-forget fp32 reduction of one float into global memory.
+__device__ __forceinline__ void red_add_f32(float* gmem, float a) {
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(gmem), "f"(a) : "memory");
 }
 
 // 2^x on the special-function unit. Softmax works in base 2 with log2(e) folded into the scale,
