@@ -51,7 +51,8 @@ struct BwdWgmmaArgs {
 // clear, dV issued early (with 128-query pairs the packed f16 factor); set, P kept float32 and dV
 // issued after dS^T. Measured on the H200 (docs/PERF_LOG.md): head_dim 64 +5-6% unmasked and
 // +3-4% causal over the early order, head_dim 128 +2% unmasked but -1 to +1% causal, so only
-// bit 1 is on.
+// bit 1 is on. Bit 4: head_dim 128's kernels without kMasked only (unbounded bands, no segment
+// ids: the cells that gained), an experiment switch, off by default.
 #ifndef JAX_FLASH_BWD_LATE_P
 #define JAX_FLASH_BWD_LATE_P 1
 #endif
@@ -163,8 +164,9 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // the f16 factor, its conversions and the split dP^T; for the 64-query pair of head_dim 128, 192
   // instead of 208 with P^T.
   // kPackedFactor: the 128-query scheme above.
-  static constexpr bool kLateP =
-      !kSplitQ && !kSoftcap && (JAX_FLASH_BWD_LATE_P & (kD == 64 ? 1 : 2)) != 0;
+  // The JAX_FLASH_BWD_LATE_P bits that turn it on for this kernel.
+  static constexpr int kLatePBits = kD == 64 ? 1 : kMasked ? 2 : 2 | 4;
+  static constexpr bool kLateP = !kSplitQ && !kSoftcap && (JAX_FLASH_BWD_LATE_P & kLatePBits) != 0;
   static constexpr bool kPackedFactor = kPair128 && !kLateP;
   // kDqFirst (head_dim 256, JAX_FLASH_BWD_DQ_FIRST): the first dQ half is issued before dV and
   // dK, so that it is done, and staged, while dK still runs, and the second half queues behind
