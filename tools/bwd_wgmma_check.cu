@@ -5,8 +5,9 @@
 //   nvcc -std=c++17 -O3 -I cpp -gencode=arch=compute_90a,code=sm_90a -DJAX_FLASH_BUILT_SM90A=1 \
 //       tools/bwd_wgmma_check.cu \
 //       cpp/cuda/bwd_wgmma.cu cpp/cuda/sm90_host.cu -o bwd_wgmma_check
-// Run: ./bwd_wgmma_check [--quick | --det | --time-only | --order]
+// Run: ./bwd_wgmma_check [--quick | --det | --det-check | --time-only | --order]
 //   --quick: correctness only, no timing; --det: only the deterministic cases and timings;
+//   --det-check: the deterministic cases without timings (for compute-sanitizer);
 //   --order: timing of the cells a launch order or the segment-id walk moves.
 //
 // Part 1 builds lse and delta = rowsum(dO * O) with a naive float32 forward on the GPU, then
@@ -867,12 +868,14 @@ int main(int argc, char** argv) {
   const bool time_only = argc > 1 && std::strcmp(argv[1], "--time-only") == 0;
   // --det: only the deterministic order's correctness cases and timings.
   const bool det_only = argc > 1 && std::strcmp(argv[1], "--det") == 0;
-  if (det_only) {
+  // --det-check: the same correctness cases without the timings (small enough for racecheck).
+  const bool det_check = argc > 1 && std::strcmp(argv[1], "--det-check") == 0;
+  if (det_only || det_check) {
     bool ok = true;
     uint64_t seed = 1000;
     for (const Case& c : deterministic_cases()) ok &= check_case(c, seed++);
     std::printf(ok ? "all deterministic cases passed\n" : "FAILED\n");
-    time_deterministic_all();
+    if (det_only) time_deterministic_all();
     return ok ? 0 : 1;
   }
   if (argc > 1 && std::strcmp(argv[1], "--order") == 0) {

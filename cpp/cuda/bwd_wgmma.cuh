@@ -132,6 +132,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       mbar_init(bar_empty(s),
                 128 * Tr::kConsumerWarpgroups + (Tr::kSplitQ ? Tr::kConsumerWarpgroups : 0));
     }
+#if JAX_FLASH_BWD_DQ_RECORD_MBAR
+    if constexpr (Tr::kDqStaged) {
+      BwdDqHandoff* const rec = reinterpret_cast<BwdDqHandoff*>(smem + Tr::kHandoffOffset);
+      for (int w = 0; w < Tr::kConsumerWarpgroups; ++w) {
+        mbar_init(tc::smem_addr(&rec[w].full), 1);
+        mbar_init(tc::smem_addr(&rec[w].empty), 1);
+        rec[w].seq = 0;
+        rec[w].taken = 0;
+      }
+    }
+#endif
     fence_barrier_init();
     *cta_tile = bwd_cta_tile<kBlockM, kBlockN, kMasked>(args, band, segment_call,
                                                         static_cast<int>(blockIdx.x));
@@ -695,12 +706,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                   reinterpret_cast<BwdDqHandoff*>(smem + Tr::kHandoffOffset) + ctid / 128;
               const BwdDqRow at = bwd_dq_row(*cta_tile, packed_layout, runs_tile,
                                              args.layout.seqlen_q, m0 + Tr::dq_row0(ctid / 128));
+              dq_record_claim(h);
               h->sem = dq_offset / kD * kDqCounters + ctid / 128;
               h->row = at.row;
               h->batch = at.batch;
               h->head = head;
               h->ticket = dq_ticket(cta_tile->mask, m0, rows, cta_tile->n0, kBlockN);
               h->end = 0;
+              dq_record_publish(h);
             }
             named_barrier_arrive(kBwdBarDqStagedBase + ctid / 128, kBwdDqHandoffThreads);
           } else {
@@ -748,7 +761,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const int etid = fresh_thread_index() - 128;
       named_barrier_sync(kBwdBarDqFreeBase + etid / 128, kBwdDqHandoffThreads);
       if (etid % 128 == 0) {
-        reinterpret_cast<BwdDqHandoff*>(smem + Tr::kHandoffOffset)[etid / 128].end = 1;
+        BwdDqHandoff* const h =
+            reinterpret_cast<BwdDqHandoff*>(smem + Tr::kHandoffOffset) + etid / 128;
+        dq_record_claim(h);
+        h->end = 1;
+        dq_record_publish(h);
       }
       named_barrier_arrive(kBwdBarDqStagedBase + etid / 128, kBwdDqHandoffThreads);
     }

@@ -141,6 +141,22 @@ __device__ __forceinline__ void dq_reduce_boxes(const CUtensorMap* tm_dq, uint32
   }
 }
 
+// kDqRecordMbar: consumer thread 0's side of a hand-off record. Before writing record k (the
+// record's own count, `seq`) it waits until the writer has read record k - 1 ...
+__device__ __forceinline__ void dq_record_claim(BwdDqHandoff* h) {
+#if JAX_FLASH_BWD_DQ_RECORD_MBAR
+  const int k = h->seq;
+  if (k > 0) mbar_wait(tc::smem_addr(&h->empty), (k - 1) & 1);
+  h->seq = k + 1;
+#endif
+}
+// ... and announces it once written.
+__device__ __forceinline__ void dq_record_publish(BwdDqHandoff* h) {
+#if JAX_FLASH_BWD_DQ_RECORD_MBAR
+  mbar_arrive(tc::smem_addr(&h->full));
+#endif
+}
+
 // A writer warp's turn at a tile (one lane): wait for it, then order the TMA reductions after the
 // earlier CTAs' (async-proxy writes, released through the counter) ...
 __device__ __forceinline__ void dq_turn_wait(const int32_t* sem, int ticket) {
@@ -181,6 +197,38 @@ __device__ __forceinline__ void bwd_dq_writer(const CUtensorMap* tm_dq, uint32_t
                                               const BwdDqHandoff* handoff, int32_t* sems, int cw,
                                               int lane) {
   named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
+#if JAX_FLASH_BWD_DQ_RECORD_MBAR
+  // Lane 0 waits for the record's mbarrier (its count of records read kept in the record, not in
+  // a register: the producer warpgroup's 24 spill otherwise), reads it and releases it once the
+  // reductions that take its coordinates are issued.
+  for (;;) {
+    named_barrier_sync(kBwdBarDqStagedBase + cw, kBwdDqHandoffThreads);
+    int end = 0;
+    if (lane == 0) {
+      BwdDqHandoff* const rec = const_cast<BwdDqHandoff*>(handoff);
+      const int k = rec->taken;
+      mbar_wait(tc::smem_addr(&rec->full), k & 1);
+      rec->taken = k + 1;
+      end = rec->end;
+    }
+    if (__shfl_sync(0xffffffffu, end, 0) != 0) return;
+    if (lane == 0) {
+      int32_t* const sem = sems + handoff->sem;
+      dq_turn_wait(sem, handoff->ticket);
+      dq_reduce_boxes<Tr::kDqBoxes, Tr::kDqBoxRows, Tr::kDqRows / Tr::kDqBoxRows>(
+          tm_dq, stage_dq, Tr::dq_col0(cw), handoff->head, {handoff->row, handoff->batch});
+      mbar_arrive(tc::smem_addr(&handoff->empty));
+      tma_commit();
+      tma_wait_read();
+      __syncwarp(1u);
+      named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
+      dq_turn_pass(sem);
+    } else {
+      named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
+    }
+    __syncwarp();
+  }
+#else
   for (;;) {
     named_barrier_sync(kBwdBarDqStagedBase + cw, kBwdDqHandoffThreads);
     if (handoff->end) return;
@@ -198,6 +246,7 @@ __device__ __forceinline__ void bwd_dq_writer(const CUtensorMap* tm_dq, uint32_t
     // The barriers are warp-collective: the warp meets again before the next one.
     __syncwarp();
   }
+#endif
 }
 
 // Head_dim 256's dQ writer of consumer warpgroup cw (warp 1 + cw of the producer warpgroup), in

@@ -74,6 +74,19 @@ struct BwdWgmmaArgs {
 #define JAX_FLASH_BWD_DQ_STSM 4
 #endif
 
+// How the deterministic order's hand-off record (BwdDqHandoff) is ordered between a consumer
+// warpgroup and its writer warp: 0 (default), by the staged / free named barriers alone, which
+// order the staging buffer too; 1, by a pair of mbarriers per record besides them (written:
+// consumer thread 0 arrives; read: writer lane 0 arrives). compute-sanitizer's racecheck follows
+// mbarriers but not bar.arrive / bar.sync pairs, and reports the record's fields under 0 (README,
+// Determinism). An experiment switch: what 1 costs is to be measured.
+#ifndef JAX_FLASH_BWD_DQ_RECORD_MBAR
+#define JAX_FLASH_BWD_DQ_RECORD_MBAR 0
+#endif
+inline constexpr bool kDqRecordMbar = JAX_FLASH_BWD_DQ_RECORD_MBAR != 0;
+// sizeof(BwdDqHandoff), defined below.
+inline constexpr int kDqHandoffBytes = kDqRecordMbar ? 56 : 32;
+
 // kMasked: the band has a finite bound or segment ids are given, so tile pairs inside a sequence
 // may be skipped or need element masking (without it only the end of a sequence is masked).
 // kSoftcap: logit soft-capping.
@@ -221,7 +234,7 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   static constexpr int kKvIdOffset = kTileOffset + kTileBytes;
   // The deterministic order's hand-off of a staged dQ_i to its writer warp (BwdDqHandoff), one per
   // consumer warpgroup (head_dim 64 / 128).
-  static constexpr int kHandoffBytes = kDqStaged ? 32 : 0;
+  static constexpr int kHandoffBytes = kDqStaged ? kDqHandoffBytes : 0;
   static constexpr int kHandoffOffset = kKvIdOffset + kBlockN * 4;
   // The kernel aligns its base to 1024 bytes (the swizzle's period); dynamic shared memory starts
   // 16-byte aligned, so that costs at most 1008 bytes (head_dim 256 needs all but a few of them).
@@ -285,9 +298,15 @@ struct BwdDqHandoff {
   int head;
   int ticket;  // dq_ticket: the counter value at which the tile's turn comes
   int end;     // no more tiles: the writer leaves
+  int seq;     // kDqRecordMbar: records written so far (consumer thread 0's own count)
+#if JAX_FLASH_BWD_DQ_RECORD_MBAR
+  uint64_t full;   // mbarrier, one arrival: the record is written
+  uint64_t empty;  // mbarrier, one arrival: the writer has read it
+  int taken;       // records read so far (writer lane 0's own count)
   int pad;
+#endif
 };
-static_assert(sizeof(BwdDqHandoff) == 32, "BwdWgmmaTraits::kHandoffBytes");
+static_assert(sizeof(BwdDqHandoff) == kDqHandoffBytes, "BwdWgmmaTraits::kHandoffBytes");
 
 inline constexpr int kPairEnd = 1;       // no more pairs: the consumers leave the loop
 inline constexpr int kPairMasked = 2;    // apply mask (band, end of the sequence's keys)
