@@ -12,7 +12,9 @@
 #       . exp_new exp_new:-DJAX_FLASH_FWD_STORE_4B
 # Each build's output goes to $OUT/ab_<n>.txt (n = the tree's position); the table printed at the
 # end puts every rate line (TFLOP/s or GB/s) of the builds side by side, with each build's ratio
-# to the first.
+# to the first. AB_ROUNDS=R (default 1) runs the builds back to back R times, round by round, so
+# that a difference can be told from the machine's drift: the outputs are then
+# $OUT/ab_<n>_r<round>.txt and a table is printed per round.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-out}"
@@ -44,34 +46,43 @@ for i in "${!pids[@]}"; do
   fi
 done
 [ $status -ne 0 ] && exit $status
-for ((i = 0; i < n; i++)); do
-  echo "=== build $i: ${specs[$i]}"
-  # shellcheck disable=SC2086
-  timeout "${AB_TIMEOUT:-300}" "build/ab_$i" $args > "$out/ab_$i.txt" 2>&1
-  echo "exit $?"
+rounds="${AB_ROUNDS:-1}"
+for ((r = 1; r <= rounds; r++)); do
+  for ((i = 0; i < n; i++)); do
+    suffix=""
+    [ "$rounds" -gt 1 ] && suffix="_r$r"
+    echo "=== round $r, build $i: ${specs[$i]}"
+    # shellcheck disable=SC2086
+    timeout "${AB_TIMEOUT:-300}" "build/ab_$i" $args > "$out/ab_$i$suffix.txt" 2>&1
+    echo "exit $?"
+  done
 done
-python3 - "$out" "$n" "$@" <<'PY'
+python3 - "$out" "$n" "$rounds" "$@" <<'PY'
 import re
 import sys
 
-out, n, specs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+out, n, rounds, specs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
 rate = re.compile(r"^(.*?)\s+([\d.]+) (?:ms|us),?\s+([\d.]+) (TFLOP/s|GB/s)")
-runs = []
-for i in range(n):
-    rows = []
-    with open(f"{out}/ab_{i}.txt") as f:
-        for line in f:
-            m = rate.search(line)
-            if m:
-                rows.append((m.group(1).strip(), float(m.group(3))))
-    runs.append(rows)
 print("builds: " + "  ".join(f"[{i}] {s}" for i, s in enumerate(specs)))
-for j, (label, first) in enumerate(runs[0]):
-    cells = [f"{first:8.1f}"]
-    for rows in runs[1:]:
-        if j < len(rows) and rows[j][0] == label:
-            cells.append(f"{rows[j][1]:8.1f} x{rows[j][1] / first:5.3f}")
-        else:
-            cells.append("       -       ")
-    print(f"{label[:60]:60s} " + "  ".join(cells))
+for r in range(1, rounds + 1):
+    suffix = f"_r{r}" if rounds > 1 else ""
+    runs = []
+    for i in range(n):
+        rows = []
+        with open(f"{out}/ab_{i}{suffix}.txt") as f:
+            for line in f:
+                m = rate.search(line)
+                if m:
+                    rows.append((m.group(1).strip(), float(m.group(3))))
+        runs.append(rows)
+    if rounds > 1:
+        print(f"round {r}:")
+    for j, (label, first) in enumerate(runs[0]):
+        cells = [f"{first:8.1f}"]
+        for rows in runs[1:]:
+            if j < len(rows) and rows[j][0] == label:
+                cells.append(f"{rows[j][1]:8.1f} x{rows[j][1] / first:5.3f}")
+            else:
+                cells.append("       -       ")
+        print(f"{label[:60]:60s} " + "  ".join(cells))
 PY
