@@ -38,6 +38,8 @@ __device__ __forceinline__ void bwd_dq_atomics(const float (&dq)[Tr::kDqCols / 2
   }
   // Rows past the sequence get nothing. With kDqStsm columns 8i + 2t and 8i + 2t + 1 sit at
   // 8i + t and 8i + 4 + t (dq_accum_position).
+  static_assert(dq_accum_position(0) == 0 && dq_accum_position(1) == 4 &&
+                dq_accum_position(6) == 3 && dq_accum_position(7) == 7);
   float* const dq_head = args.dq_accum + dq_offset + col0 + (Tr::kDqStsm ? 1 : 2) * (dq_lane % 4);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

@@ -21,14 +21,15 @@ JF_HOST_DEVICE constexpr int dq_accum_position(int col) {
   return (col & ~7) | ((col & 1) << 2) | ((col & 7) >> 1);
 }
 
-// Elements per thread and step of the convert kernel: 8 (default), one aligned group of 8
-// columns, two float4 reads 32 bytes apart a lane; or 4 (JAX_FLASH_DQ_CONVERT_PAIRS, an
-// experiment switch), one float4 read a lane as the mma.sync-era kernel did, the permuted order
-// undone by an exchange between lanes 2j and 2j + 1.
+// Elements per thread and step of the convert kernel over dq_accum_position's order: 8 (default),
+// one aligned group of 8 columns, two float4 reads 32 bytes apart a lane; or 4
+// (JAX_FLASH_DQ_CONVERT_PAIRS, an experiment switch), one float4 read a lane as in the natural
+// order, the permutation undone by an exchange between lanes 2j and 2j + 1. The natural order
+// always takes 4.
 #ifndef JAX_FLASH_DQ_CONVERT_PAIRS
 #define JAX_FLASH_DQ_CONVERT_PAIRS 0
 #endif
-inline constexpr int kDqConvertWidth = JAX_FLASH_DQ_CONVERT_PAIRS != 0 ? 4 : 8;
+inline constexpr int kDqConvertPermutedWidth = JAX_FLASH_DQ_CONVERT_PAIRS != 0 ? 4 : 8;
 
 // dQ = T(scale * dq_accum), kWidth elements per thread and step (n = elements / kWidth; head_dim
 // is a multiple of 64, so the element count is a multiple of 8). kPermuted: dq_accum is in
@@ -39,7 +40,7 @@ inline constexpr int kDqConvertWidth = JAX_FLASH_DQ_CONVERT_PAIRS != 0 ? 4 : 8;
 template <typename T, bool kPermuted, int kWidth>
 __global__ void dq_convert_kernel(const float4* __restrict__ dq_accum, T* __restrict__ dq,
                                   int64_t n, float scale) {
-  static_assert(kWidth == 4 || kWidth == 8);
+  static_assert(kWidth == 4 || (kWidth == 8 && kPermuted));
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     if constexpr (kWidth == 4) {
@@ -61,21 +62,10 @@ __global__ void dq_convert_kernel(const float4* __restrict__ dq_accum, T* __rest
       const float4 a = dq_accum[2 * i];
       const float4 b = dq_accum[2 * i + 1];
       // Two 8-byte stores: the callers guarantee dQ 8-byte alignment, not 16.
-      uint2 lo;
-      uint2 hi;
-      if constexpr (kPermuted) {
-        lo = make_uint2(tc::pack2<T>(a.x * scale, b.x * scale),
-                        tc::pack2<T>(a.y * scale, b.y * scale));
-        hi = make_uint2(tc::pack2<T>(a.z * scale, b.z * scale),
-                        tc::pack2<T>(a.w * scale, b.w * scale));
-      } else {
-        lo = make_uint2(tc::pack2<T>(a.x * scale, a.y * scale),
-                        tc::pack2<T>(a.z * scale, a.w * scale));
-        hi = make_uint2(tc::pack2<T>(b.x * scale, b.y * scale),
-                        tc::pack2<T>(b.z * scale, b.w * scale));
-      }
-      reinterpret_cast<uint2*>(dq)[2 * i] = lo;
-      reinterpret_cast<uint2*>(dq)[2 * i + 1] = hi;
+      reinterpret_cast<uint2*>(dq)[2 * i] = make_uint2(tc::pack2<T>(a.x * scale, b.x * scale),
+                                                       tc::pack2<T>(a.y * scale, b.y * scale));
+      reinterpret_cast<uint2*>(dq)[2 * i + 1] = make_uint2(tc::pack2<T>(a.z * scale, b.z * scale),
+                                                           tc::pack2<T>(a.w * scale, b.w * scale));
     }
   }
 }
@@ -145,12 +135,11 @@ cudaError_t convert_dq(const float* dq_accum, void* dq, int64_t elems, double sc
                        cudaStream_t stream) {
   if (elems == 0) return cudaSuccess;
   constexpr int kThreads = 256;
-  const int64_t n = elems / kDqConvertWidth;
+  constexpr int kWidth = kPermuted ? kDqConvertPermutedWidth : 4;
+  const int64_t n = elems / kWidth;
   const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 65536);
-  dq_convert_kernel<T, kPermuted, kDqConvertWidth>
-      <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-          reinterpret_cast<const float4*>(dq_accum), static_cast<T*>(dq), n,
-          static_cast<float>(scale));
+  dq_convert_kernel<T, kPermuted, kWidth><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      reinterpret_cast<const float4*>(dq_accum), static_cast<T*>(dq), n, static_cast<float>(scale));
   return cudaGetLastError();
 }
 

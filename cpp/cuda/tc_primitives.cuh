@@ -122,20 +122,20 @@ __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
+// Fire-and-forget fp32 reduction of one float into global memory.
+__device__ __forceinline__ void red_add_f32(float* gmem, float a) {
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(gmem), "f"(a) : "memory");
+}
+
 // Fire-and-forget fp32 reduction of two adjacent floats into global memory: Hopper has a
 // 2-wide vector form, which halves the number of reduction messages for dQ.
 __device__ __forceinline__ void red_add_f32x2(float* gmem, float a, float b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(gmem), "f"(a), "f"(b) : "memory");
 #else
-  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(gmem), "f"(a) : "memory");
-  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(gmem + 1), "f"(b) : "memory");
+  red_add_f32(gmem, a);
+  red_add_f32(gmem + 1, b);
 #endif
-}
-
-// Fire-and-forget fp32 reduction of one float into global memory.
-__device__ __forceinline__ void red_add_f32(float* gmem, float a) {
-  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(gmem), "f"(a) : "memory");
 }
 
 // 2^x on the special-function unit. Softmax works in base 2 with log2(e) folded into the scale,
