@@ -74,6 +74,13 @@ struct BwdWgmmaArgs {
 #define JAX_FLASH_BWD_DQ_STSM 4
 #endif
 
+// Experiment switch: the tensor maps' descriptors prefetched at kernel entry, before the CTA's
+// tile decode, instead of just before the producer's first loads (docs/PERF_LOG.md).
+#ifndef JAX_FLASH_BWD_PREFETCH_AT_ENTRY
+#define JAX_FLASH_BWD_PREFETCH_AT_ENTRY 0
+#endif
+inline constexpr bool kBwdPrefetchAtEntry = JAX_FLASH_BWD_PREFETCH_AT_ENTRY != 0;
+
 // How the deterministic order's hand-off record (BwdDqHandoff) is ordered between a consumer
 // warpgroup and its writer warp: 0 (default), by the staged / free named barriers alone, which
 // order the staging buffer too; 1, by a pair of mbarriers per record besides them (written:

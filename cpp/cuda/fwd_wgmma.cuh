@@ -43,6 +43,17 @@
 
 namespace jax_flash::cuda::sm90 {
 
+// Experiment switch (an nvcc -D flag, docs/PERF_LOG.md): how early a CTA starts its first loads.
+// Bit 1: the tensor maps' descriptors are prefetched at kernel entry, before the grid-position
+// decode, instead of just before Q's load. Bit 2: thread 0 issues Q's load (and, without segment
+// ids, the first K block's) right after initialising the barriers, before the CTA-wide barrier
+// and the producer's register hand-off, instead of from the producer's loop. 0: both off.
+#ifndef JAX_FLASH_FWD_EARLY_LOADS
+#define JAX_FLASH_FWD_EARLY_LOADS 0
+#endif
+inline constexpr bool kFwdPrefetchAtEntry = (JAX_FLASH_FWD_EARLY_LOADS & 1) != 0;
+inline constexpr bool kFwdEarlyFirstLoads = (JAX_FLASH_FWD_EARLY_LOADS & 2) != 0;
+
 // Everything a launch needs besides the four tensor maps, computed on the host.
 struct FwdWgmmaArgs {
   void* o;     // packed calls store the O rows of a tile that straddles a sequence end by hand
@@ -527,6 +538,33 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
     }
     mbar_init(bar_v_tail, 1);
     fence_barrier_init();
+    if constexpr (kFwdEarlyFirstLoads) {
+      // The CTA's first loads leave before the barrier below and the producer's setmaxnreg: Q and
+      // the walk's first key block (the last block of the band; with segment ids the walk's ballots
+      // need the whole warp, so only Q). The producer's loop then skips them.
+      if (first_block < last_block) {
+        if constexpr (!kFwdPrefetchAtEntry) {
+          prefetch_tensormap(&tm_q);
+          prefetch_tensormap(&tm_k);
+          prefetch_tensormap(&tm_v);
+        }
+        mbar_arrive_expect_tx(bar_q, Tr::kQBytes);
+#pragma unroll
+        for (int p = 0; p < Tr::kPanels; ++p) {
+          tma_load_4d(q_smem + p * Tr::kQPanelBytes, &tm_q, bar_q, p * Tr::kPanelCols, head, q_row0,
+                      map_batch);
+        }
+        if constexpr (!kSegments) {
+          const int n0 = (last_block - 1) * kBlockN;
+          mbar_arrive_expect_tx(bar_k_full(0), Tr::kKVStageBytes);
+#pragma unroll
+          for (int p = 0; p < Tr::kPanels; ++p) {
+            tma_load_4d(k_smem + p * Tr::kKVPanelBytes, &tm_k, bar_k_full(0), p * Tr::kPanelCols,
+                        head / args.group, k_row0 + n0, map_batch);
+          }
+        }
+      }
+    }
   }
   __syncthreads();
 
@@ -544,10 +582,12 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
       // Q is loaded whenever the band leaves the tile a key block, before the segment walk's
       // first round of loads decides which block that is: Q's latency then overlaps it.
       const bool band_keys = first_block < last_block;
-      if (leader && band_keys) {
-        prefetch_tensormap(&tm_q);
-        prefetch_tensormap(&tm_k);
-        prefetch_tensormap(&tm_v);
+      if (leader && band_keys && !kFwdEarlyFirstLoads) {
+        if constexpr (!kFwdPrefetchAtEntry) {
+          prefetch_tensormap(&tm_q);
+          prefetch_tensormap(&tm_k);
+          prefetch_tensormap(&tm_v);
+        }
         mbar_arrive_expect_tx(bar_q, Tr::kQBytes);
 #pragma unroll
         for (int p = 0; p < Tr::kPanels; ++p) {
@@ -584,7 +624,8 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
           const int n0 = nb * kBlockN;
           // Use u = it / kStages of a stage needs the consumers' release of use u - 1.
           const uint32_t empty_parity = ((it / kStages) + 1) & 1;
-          if (leader) {
+          // (The walk's first K block may have left with Q, before the CTA's barrier.)
+          if (leader && !(kFwdEarlyFirstLoads && !kSegments && it == 0)) {
             if (it >= kStages) mbar_wait(bar_k_empty(stage), empty_parity);
             mbar_arrive_expect_tx(bar_k_full(stage), Tr::kKVStageBytes);
 #pragma unroll
@@ -913,6 +954,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                      const __grid_constant__ CUtensorMap tm_v,
                      const __grid_constant__ CUtensorMap tm_o) {
 #if JAX_FLASH_SM90A
+  if constexpr (kFwdPrefetchAtEntry) {
+    // The descriptors are kernel parameters, which no kernel ahead writes: their fetch can
+    // overlap the grid-position decode (and, for the segment-id kernels, the wait below).
+    if (threadIdx.x == 0) {
+      prefetch_tensormap(&tm_q);
+      prefetch_tensormap(&tm_k);
+      prefetch_tensormap(&tm_v);
+      prefetch_tensormap(&tm_o);
+    }
+  }
   // The segment-id kernels are launched as the programmatic dependents of the summary kernel that
   // writes their ids' records (fwd_wgmma.cu): nothing before this reads or writes global memory.
   if constexpr (Tr::kSegments) wait_for_primary();
