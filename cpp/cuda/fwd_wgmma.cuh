@@ -54,6 +54,16 @@ namespace jax_flash::cuda::sm90 {
 inline constexpr bool kFwdPrefetchAtEntry = (JAX_FLASH_FWD_EARLY_LOADS & 1) != 0;
 inline constexpr bool kFwdEarlyFirstLoads = (JAX_FLASH_FWD_EARLY_LOADS & 2) != 0;
 
+// Experiment switch: in banded kernels without segment ids, each consumer warpgroup computes only
+// the key blocks its own 64 rows can see (the mask policy's key range of its rows); for the walk's
+// other blocks it keeps the barrier protocol (waits, turns, releases) without GEMMs or softmax.
+// A 192-row tile of the head_dim-64 causal forward at 1k computes a fifth of its scores for
+// nothing, half of which are whole blocks of one warpgroup (tools/tile_coverage.py). 0: off.
+#ifndef JAX_FLASH_FWD_WG_SKIP
+#define JAX_FLASH_FWD_WG_SKIP 0
+#endif
+inline constexpr bool kFwdWgSkip = JAX_FLASH_FWD_WG_SKIP != 0;
+
 // Everything a launch needs besides the four tensor maps, computed on the host.
 struct FwdWgmmaArgs {
   void* o;     // packed calls store the O rows of a tile that straddles a sequence end by hand
@@ -802,71 +812,126 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
 
         mbar_wait(bar_q, 0);
 
-        // The first block's S is computed and softmaxed before the loop, so that inside the loop
-        // the P V of block it-1 runs under the softmax of block it (FlashAttention-3, Algorithm 2).
-        bool next_mixed;
-        int next;
-        {
-          mbar_wait(bar_k_full(0), 0);
-          turn_begin(true);
-          wgmma_fence();
-          issue_qk<Tr>(s, q_desc, k_desc(0));
-          wgmma_commit();
-          turn_end(false);
-          // The walk's chunk-range loads (segment ids) run under the GEMM.
-          next = next_key_block<kBlockN, kSegments, true>(walk, seg, next_mixed);
-          wgmma_wait<0>();
-          fence_operand(s);
-          release(bar_k_empty(0));
-          softmax_block(nb * kBlockN, mixed);
-          convert_p<kBlockN, T>(s, p);
+        // With kWgSkip, the walk's steps [lead, lead + count) are this warpgroup's blocks (step i
+        // is block last_block - 1 - i); the others get idle turns. Without it, every step is.
+        constexpr bool kWgSkip =
+            kFwdWgSkip && kBand && !Tr::kSegments && !(Tr::kSoftcap && kD > 128);
+        const int steps = last_block - first_block;
+        int lead = 0;
+        int count = steps;
+        int wg_first = first_block;
+        if constexpr (kWgSkip) {
+          const int64_t lo = mask.key_begin(r0);
+          const int64_t hi = mask.key_end(r1);
+          if (hi > lo) {
+            const int b_hi = min(last_block, static_cast<int>((hi + kBlockN - 1) / kBlockN));
+            wg_first = max(first_block, static_cast<int>(lo / kBlockN));
+            lead = last_block - b_hi;
+            count = b_hi - wg_first;
+          } else {
+            count = 0;
+          }
         }
+        // Turn i of the walk (0 <= i <= steps) without math: it holds K of step i (i < steps)
+        // and V of step i - 1 (i > 0), which the other warpgroups may be using.
+        const auto idle_turn = [&](int i) {
+          if (i < steps) mbar_wait(bar_k_full(i % kStages), (i / kStages) & 1);
+          if (i > 0) mbar_wait(bar_v_full((i - 1) % kStages), ((i - 1) / kStages) & 1);
+          turn_begin(i == 0);
+          turn_end(i == steps);
+          if (i < steps) release(bar_k_empty(i % kStages));
+          if (i > 0) release(bar_v_empty((i - 1) % kStages));
+        };
+        if (kWgSkip && count <= 0) {
+          // None of the walk's blocks is visible to these rows: O = 0, lse = -inf (or the sink).
+          for (int i = 0; i <= steps; ++i) idle_turn(i);
+        } else {
+          if constexpr (kWgSkip) {
+            for (int i = 0; i < lead; ++i) idle_turn(i);
+            walk.top -= lead;
+            nb -= lead;
+          }
 
-        int it = 1;
+          // The first block's S is computed and softmaxed before the loop, so that inside the loop
+          // the P V of block it-1 runs under the softmax of block it (FlashAttention-3, Algorithm
+          // 2).
+          bool next_mixed;
+          int next;
+          {
+            const int s0 = lead % kStages;
+            mbar_wait(bar_k_full(s0), (lead / kStages) & 1);
+            turn_begin(lead == 0);
+            wgmma_fence();
+            issue_qk<Tr>(s, q_desc, k_desc(s0));
+            wgmma_commit();
+            // A skipped step before this one: its V is released in this turn.
+            if (kWgSkip && lead > 0) {
+              mbar_wait(bar_v_full((lead - 1) % kStages), ((lead - 1) / kStages) & 1);
+            }
+            turn_end(false);
+            // The walk's chunk-range loads (segment ids) run under the GEMM.
+            next = next_key_block<kBlockN, kSegments, true>(walk, seg, next_mixed);
+            wgmma_wait<0>();
+            fence_operand(s);
+            release(bar_k_empty(s0));
+            if (kWgSkip && lead > 0) release(bar_v_empty((lead - 1) % kStages));
+            softmax_block(nb * kBlockN, mixed);
+            convert_p<kBlockN, T>(s, p);
+          }
+
+          int it = lead + 1;
 #pragma unroll 1
-        for (; next >= first_block; ++it) {
-          nb = next;
-          mixed = next_mixed;
-          const int stage = it % kStages;
-          const int prev = (it - 1) % kStages;
-          mbar_wait(bar_k_full(stage), (it / kStages) & 1);
-          turn_begin(false);
-          wgmma_fence();
-          issue_qk<Tr>(s, q_desc, k_desc(stage));
-          wgmma_commit();
-          // O's rescale for block it-1 is done here, hidden under the QK^T just issued.
-          rescale_acc();
-          mbar_wait(bar_v_full(prev), ((it - 1) / kStages) & 1);
-          wgmma_fence();
-          issue_pv<Tr>(o, p, v_desc(prev));
-          wgmma_commit();
-          turn_end(false);
-          next = next_key_block<kBlockN, kSegments, true>(walk, seg, next_mixed);
+          for (; next >= wg_first; ++it) {
+            nb = next;
+            mixed = next_mixed;
+            const int stage = it % kStages;
+            const int prev = (it - 1) % kStages;
+            mbar_wait(bar_k_full(stage), (it / kStages) & 1);
+            turn_begin(false);
+            wgmma_fence();
+            issue_qk<Tr>(s, q_desc, k_desc(stage));
+            wgmma_commit();
+            // O's rescale for block it-1 is done here, hidden under the QK^T just issued.
+            rescale_acc();
+            mbar_wait(bar_v_full(prev), ((it - 1) / kStages) & 1);
+            wgmma_fence();
+            issue_pv<Tr>(o, p, v_desc(prev));
+            wgmma_commit();
+            turn_end(false);
+            next = next_key_block<kBlockN, kSegments, true>(walk, seg, next_mixed);
 
-          wgmma_wait<1>();  // S of block it is complete; P V of block it-1 may still run
-          fence_operand(s);
-          release(bar_k_empty(stage));
-          softmax_block(nb * kBlockN, mixed);
-          wgmma_wait<0>();
-          fence_operand(o);
-          fence_operand(p);
-          release(bar_v_empty(prev));
-          convert_p<kBlockN, T>(s, p);
-        }
+            wgmma_wait<1>();  // S of block it is complete; P V of block it-1 may still run
+            fence_operand(s);
+            release(bar_k_empty(stage));
+            softmax_block(nb * kBlockN, mixed);
+            wgmma_wait<0>();
+            fence_operand(o);
+            fence_operand(p);
+            release(bar_v_empty(prev));
+            convert_p<kBlockN, T>(s, p);
+          }
 
-        {
-          const int last = (it - 1) % kStages;
-          rescale_acc();
-          mbar_wait(bar_v_full(last), ((it - 1) / kStages) & 1);
-          turn_begin(false);
-          wgmma_fence();
-          issue_pv<Tr>(o, p, v_desc(last));
-          wgmma_commit();
-          turn_end(true);
-          wgmma_wait<0>();
-          fence_operand(o);
-          fence_operand(p);
-          release(bar_v_empty(last));
+          {
+            const int last = (it - 1) % kStages;
+            // Skipped steps after this warpgroup's blocks: this turn holds the next step's K.
+            const bool more = kWgSkip && it < steps;
+            if (more) mbar_wait(bar_k_full(it % kStages), (it / kStages) & 1);
+            rescale_acc();
+            mbar_wait(bar_v_full(last), ((it - 1) / kStages) & 1);
+            turn_begin(false);
+            wgmma_fence();
+            issue_pv<Tr>(o, p, v_desc(last));
+            wgmma_commit();
+            turn_end(!more);
+            wgmma_wait<0>();
+            fence_operand(o);
+            fence_operand(p);
+            release(bar_v_empty(last));
+            if (more) release(bar_k_empty(it % kStages));
+          }
+          if constexpr (kWgSkip) {
+            for (int i = it + 1; i <= steps; ++i) idle_turn(i);
+          }
         }
       }
     }
