@@ -54,13 +54,15 @@ namespace jax_flash::cuda::sm90 {
 inline constexpr bool kFwdPrefetchAtEntry = (JAX_FLASH_FWD_EARLY_LOADS & 1) != 0;
 inline constexpr bool kFwdEarlyFirstLoads = (JAX_FLASH_FWD_EARLY_LOADS & 2) != 0;
 
-// Experiment switch: in banded kernels without segment ids, each consumer warpgroup computes only
-// the key blocks its own 64 rows can see (the mask policy's key range of its rows); for the walk's
-// other blocks it keeps the barrier protocol (waits, turns, releases) without GEMMs or softmax.
-// A 192-row tile of the head_dim-64 causal forward at 1k computes a fifth of its scores for
-// nothing, half of which are whole blocks of one warpgroup (tools/tile_coverage.py). 0: off.
+// In banded kernels without segment ids, each consumer warpgroup computes only the key blocks its
+// own 64 rows can see (the mask policy's key range of its rows); for the walk's other blocks it
+// keeps the barrier protocol (waits, turns, releases) without GEMMs or softmax. A 192-row tile of
+// the head_dim-64 causal forward at 1k computes a fifth of its scores for nothing, half of which
+// are whole blocks of one warpgroup (tools/tile_coverage.py). Measured on an H100
+// (docs/PERF_LOG.md): head_dim 64 causal 1k +6-9%, 2k +4-7%, the 1k window over 16k +7-10%;
+// head_dim 128 (whose 128-row tiles align with the blocks) unchanged. 0 turns it off.
 #ifndef JAX_FLASH_FWD_WG_SKIP
-#define JAX_FLASH_FWD_WG_SKIP 0
+#define JAX_FLASH_FWD_WG_SKIP 1
 #endif
 inline constexpr bool kFwdWgSkip = JAX_FLASH_FWD_WG_SKIP != 0;
 
