@@ -159,6 +159,35 @@ __device__ __forceinline__ void dq_record_publish(BwdDqHandoff* h) {
 #endif
 }
 
+// The writer warp's side (every lane calls take): whether the record just staged is the end
+// flag. With kDqRecordMbar lane 0 first waits for the record's mbarrier (its count of records
+// read kept in the record, not in a register: the producer warpgroup's 24 spill otherwise) and
+// tells the other lanes; release arrives on the record's `empty` once the reductions that take
+// its coordinates are issued.
+__device__ __forceinline__ bool dq_record_take(const BwdDqHandoff* handoff, int lane) {
+#if JAX_FLASH_BWD_DQ_RECORD_MBAR
+  int end = 0;
+  if (lane == 0) {
+    BwdDqHandoff* const rec = const_cast<BwdDqHandoff*>(handoff);
+    const int k = rec->taken;
+    mbar_wait(tc::smem_addr(&rec->full), k & 1);
+    rec->taken = k + 1;
+    end = rec->end;
+  }
+  return __shfl_sync(0xffffffffu, end, 0) != 0;
+#else
+  (void)lane;
+  return handoff->end != 0;
+#endif
+}
+__device__ __forceinline__ void dq_record_release(const BwdDqHandoff* handoff) {
+#if JAX_FLASH_BWD_DQ_RECORD_MBAR
+  mbar_arrive(tc::smem_addr(&handoff->empty));
+#else
+  (void)handoff;
+#endif
+}
+
 // A writer warp's turn at a tile (one lane): wait for it, then order the TMA reductions after the
 // earlier CTAs' (async-proxy writes, released through the counter) ...
 __device__ __forceinline__ void dq_turn_wait(const int32_t* sem, int ticket) {
@@ -199,46 +228,15 @@ __device__ __forceinline__ void bwd_dq_writer(const CUtensorMap* tm_dq, uint32_t
                                               const BwdDqHandoff* handoff, int32_t* sems, int cw,
                                               int lane) {
   named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
-#if JAX_FLASH_BWD_DQ_RECORD_MBAR
-  // Lane 0 waits for the record's mbarrier (its count of records read kept in the record, not in
-  // a register: the producer warpgroup's 24 spill otherwise), reads it and releases it once the
-  // reductions that take its coordinates are issued.
   for (;;) {
     named_barrier_sync(kBwdBarDqStagedBase + cw, kBwdDqHandoffThreads);
-    int end = 0;
-    if (lane == 0) {
-      BwdDqHandoff* const rec = const_cast<BwdDqHandoff*>(handoff);
-      const int k = rec->taken;
-      mbar_wait(tc::smem_addr(&rec->full), k & 1);
-      rec->taken = k + 1;
-      end = rec->end;
-    }
-    if (__shfl_sync(0xffffffffu, end, 0) != 0) return;
-    if (lane == 0) {
-      int32_t* const sem = sems + handoff->sem;
-      dq_turn_wait(sem, handoff->ticket);
-      dq_reduce_boxes<Tr::kDqBoxes, Tr::kDqBoxRows, Tr::kDqRows / Tr::kDqBoxRows>(
-          tm_dq, stage_dq, Tr::dq_col0(cw), handoff->head, {handoff->row, handoff->batch});
-      mbar_arrive(tc::smem_addr(&handoff->empty));
-      tma_commit();
-      tma_wait_read();
-      __syncwarp(1u);
-      named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
-      dq_turn_pass(sem);
-    } else {
-      named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
-    }
-    __syncwarp();
-  }
-#else
-  for (;;) {
-    named_barrier_sync(kBwdBarDqStagedBase + cw, kBwdDqHandoffThreads);
-    if (handoff->end) return;
+    if (dq_record_take(handoff, lane)) return;
     int32_t* const sem = sems + handoff->sem;
     if (lane == 0) {
       dq_turn_wait(sem, handoff->ticket);
       dq_reduce_boxes<Tr::kDqBoxes, Tr::kDqBoxRows, Tr::kDqRows / Tr::kDqBoxRows>(
           tm_dq, stage_dq, Tr::dq_col0(cw), handoff->head, {handoff->row, handoff->batch});
+      dq_record_release(handoff);
       tma_commit();
       tma_wait_read();
     }
@@ -248,7 +246,6 @@ __device__ __forceinline__ void bwd_dq_writer(const CUtensorMap* tm_dq, uint32_t
     // The barriers are warp-collective: the warp meets again before the next one.
     __syncwarp();
   }
-#endif
 }
 
 // Head_dim 256's dQ writer of consumer warpgroup cw (warp 1 + cw of the producer warpgroup), in

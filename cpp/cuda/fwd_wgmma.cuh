@@ -539,6 +539,29 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
   const auto bar_v_empty = [&](int stage) { return bar_q + 8u * (1 + 3 * kStages + stage); };
   const uint32_t bar_v_tail = bar_q + 8u * (1 + 4 * kStages);
 
+  // Q's load and the K tile of key row n0 into `stage`, issued by one thread.
+  const auto load_q = [&]() {
+    if constexpr (!kFwdPrefetchAtEntry) {
+      prefetch_tensormap(&tm_q);
+      prefetch_tensormap(&tm_k);
+      prefetch_tensormap(&tm_v);
+    }
+    mbar_arrive_expect_tx(bar_q, Tr::kQBytes);
+#pragma unroll
+    for (int p = 0; p < Tr::kPanels; ++p) {
+      tma_load_4d(q_smem + p * Tr::kQPanelBytes, &tm_q, bar_q, p * Tr::kPanelCols, head, q_row0,
+                  map_batch);
+    }
+  };
+  const auto load_k = [&](int stage, int n0, int kv_head) {
+    mbar_arrive_expect_tx(bar_k_full(stage), Tr::kKVStageBytes);
+#pragma unroll
+    for (int p = 0; p < Tr::kPanels; ++p) {
+      tma_load_4d(k_smem + stage * Tr::kKVStageBytes + p * Tr::kKVPanelBytes, &tm_k,
+                  bar_k_full(stage), p * Tr::kPanelCols, kv_head, k_row0 + n0, map_batch);
+    }
+  };
+
   if (threadIdx.x == 0) {
     mbar_init(bar_q, 1);
     for (int s = 0; s < kStages; ++s) {
@@ -555,26 +578,8 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
       // the walk's first key block (the last block of the band; with segment ids the walk's ballots
       // need the whole warp, so only Q). The producer's loop then skips them.
       if (first_block < last_block) {
-        if constexpr (!kFwdPrefetchAtEntry) {
-          prefetch_tensormap(&tm_q);
-          prefetch_tensormap(&tm_k);
-          prefetch_tensormap(&tm_v);
-        }
-        mbar_arrive_expect_tx(bar_q, Tr::kQBytes);
-#pragma unroll
-        for (int p = 0; p < Tr::kPanels; ++p) {
-          tma_load_4d(q_smem + p * Tr::kQPanelBytes, &tm_q, bar_q, p * Tr::kPanelCols, head, q_row0,
-                      map_batch);
-        }
-        if constexpr (!kSegments) {
-          const int n0 = (last_block - 1) * kBlockN;
-          mbar_arrive_expect_tx(bar_k_full(0), Tr::kKVStageBytes);
-#pragma unroll
-          for (int p = 0; p < Tr::kPanels; ++p) {
-            tma_load_4d(k_smem + p * Tr::kKVPanelBytes, &tm_k, bar_k_full(0), p * Tr::kPanelCols,
-                        head / args.group, k_row0 + n0, map_batch);
-          }
-        }
+        load_q();
+        if constexpr (!kSegments) load_k(0, (last_block - 1) * kBlockN, head / args.group);
       }
     }
   }
@@ -594,19 +599,7 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
       // Q is loaded whenever the band leaves the tile a key block, before the segment walk's
       // first round of loads decides which block that is: Q's latency then overlaps it.
       const bool band_keys = first_block < last_block;
-      if (leader && band_keys && !kFwdEarlyFirstLoads) {
-        if constexpr (!kFwdPrefetchAtEntry) {
-          prefetch_tensormap(&tm_q);
-          prefetch_tensormap(&tm_k);
-          prefetch_tensormap(&tm_v);
-        }
-        mbar_arrive_expect_tx(bar_q, Tr::kQBytes);
-#pragma unroll
-        for (int p = 0; p < Tr::kPanels; ++p) {
-          tma_load_4d(q_smem + p * Tr::kQPanelBytes, &tm_q, bar_q, p * Tr::kPanelCols, head, q_row0,
-                      map_batch);
-        }
-      }
+      if (leader && band_keys && !kFwdEarlyFirstLoads) load_q();
       KeyWalk walk = key_walk<kSegments>(first_block, last_block);
       bool unused;
       int nb = next_key_block<kBlockN, kSegments, false>(walk, seg, unused);
@@ -639,12 +632,7 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
           // (The walk's first K block may have left with Q, before the CTA's barrier.)
           if (leader && !(kFwdEarlyFirstLoads && !kSegments && it == 0)) {
             if (it >= kStages) mbar_wait(bar_k_empty(stage), empty_parity);
-            mbar_arrive_expect_tx(bar_k_full(stage), Tr::kKVStageBytes);
-#pragma unroll
-            for (int p = 0; p < Tr::kPanels; ++p) {
-              tma_load_4d(k_smem + stage * Tr::kKVStageBytes + p * Tr::kKVPanelBytes, &tm_k,
-                          bar_k_full(stage), p * Tr::kPanelCols, kv_head, k_row0 + n0, map_batch);
-            }
+            load_k(stage, n0, kv_head);
           }
           if (tail_stage >= 0) release_tail();
           const bool straddles = varlen && n0 + int64_t{kBlockN} > len_k;
