@@ -214,9 +214,13 @@ def _fwd_call(target, q, k, v, aux, spec, segment_runs=0, cuda=False):
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct(_lse_shape(q), stats_dtype(q.dtype)),
     )
+    if cuda:
+        # The persistent forward's tile counter: XLA owns it, the launcher zeroes it on the stream.
+        out_types += (jax.ShapeDtypeStruct((1,), jnp.int32),)
     call = jax.ffi.ffi_call(target, out_types, vmap_method=_vmap_method(spec))
     extras = _extras(aux, q.dtype, segment_runs, cuda)
-    return call(q, k, v, *extras, **spec.attrs(aux, segment_runs))
+    out, lse, *_ = call(q, k, v, *extras, **spec.attrs(aux, segment_runs))
+    return out, lse
 
 
 def _as_decode(q, k, aux, spec) -> tuple[jax.Array, ...] | None:

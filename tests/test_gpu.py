@@ -24,6 +24,7 @@ from conftest import (
 )
 
 import jax_flash
+from jax_flash.reference import attention_reference
 
 pytestmark = pytest.mark.skipif(
     not ON_GPU, reason=f"needs a CUDA GPU; the JAX backend here is {BACKEND!r}"
@@ -144,6 +145,45 @@ def test_as_accurate_as_cudnn(rng, head_dim, causal, dtype):
         assert ours <= factor * theirs + 1e-3, (
             f"{name}: jax_flash error {ours:.3e}, cuDNN error {theirs:.3e}"
         )
+
+
+# Calls with more query tiles than the GPU has SMs, where rows see at most 2048 keys: the forward
+# runs its persistent grid (one CTA per SM claiming tiles; cpp/cuda/fwd_wgmma.cu), so CTAs run
+# several tiles each, from both Q buffers, with the K/V ring and the warpgroups' turns carried
+# from tile to tile. (The whole suite runs it on small calls under JAX_FLASH_FWD_PERSISTENT_CTAS.)
+@pytest.mark.parametrize(
+    "head_dim, causal, window",
+    [
+        (64, False, None),
+        (64, True, None),
+        (128, True, None),
+        (64, True, (300, 0)),
+        (128, False, (200, 90)),
+    ],
+    ids=["d64-full", "d64-causal", "d128-causal", "d64-window", "d128-window"],
+)
+def test_persistent_forward_many_tiles(rng, head_dim, causal, window):
+    q, k, v = make_qkv(
+        rng,
+        batch=2,
+        seqlen_q=1000,
+        seqlen_k=1024,
+        heads_q=16,
+        heads_kv=4,
+        head_dim=head_dim,
+        dtype=jnp.bfloat16,
+    )
+    call = jax.jit(
+        functools.partial(jax_flash.attention, causal=causal, window=window, return_lse=True)
+    )
+    out, lse = call(q, k, v)
+    r_out, r_lse = attention_reference(*f64(q, k, v), causal=causal, window=window, return_lse=True)
+    assert rel_l2(out, r_out) <= BF16_TOL
+    np.testing.assert_allclose(lse, r_lse, rtol=2e-3, atol=2e-3)
+    # Which CTA runs a tile changes from run to run; what it computes must not.
+    again, again_lse = call(q, k, v)
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(again_lse), np.asarray(lse))
 
 
 def test_backward_uses_cuda_kernels(rng):

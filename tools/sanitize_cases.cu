@@ -287,6 +287,12 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
   fp.o = o;
   fp.lse = lse;
   describe(fp, c, pk, mask);
+  // The persistent forward's tile counter, as the FFI handler gives it
+  // (JAX_FLASH_FWD_PERSISTENT_CTAS makes the small cases here run persistent, several tiles a CTA).
+  int32_t* work_counter = nullptr;
+  CHECK_CUDA(cudaMalloc(&work_counter, sizeof(int32_t)));
+  owned.push_back(work_counter);
+  fp.work_counter = work_counter;
   if (c.varlen) {
     fp.layout.cu_seqlens_q = device_array(pk.cu_q, owned);
     fp.layout.cu_seqlens_k = device_array(pk.cu_k, owned);

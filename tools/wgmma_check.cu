@@ -346,6 +346,9 @@ void build(Problem& pb, const Case& c, uint64_t seed) {
   p.heads_kv = c.heads_kv;
   p.head_dim = c.head_dim;
   p.softmax_scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+  // The persistent forward's tile counter, as the FFI handler passes it (JAX_FLASH_FWD_PERSISTENT
+  // and JAX_FLASH_FWD_PERSISTENT_CTAS choose whether and how a call runs persistent).
+  p.work_counter = pb.buf.alloc<int32_t>(4);
   l.heads_q = c.heads_q;
   std::vector<std::pair<int64_t, int64_t>> q_spans, k_spans;  // (start, len) per sequence
   if (c.packed()) {

@@ -35,6 +35,10 @@ struct FwdParams {
   double softmax_scale;
   MaskParams mask;
   SeqLayout layout;
+  // int32 scratch of at least one element, or nullptr. Given, the wgmma forward may run a
+  // persistent grid whose CTAs claim query tiles from it (cuda/fwd_wgmma.cu says when); the
+  // launcher zeroes it on the stream.
+  int32_t* work_counter = nullptr;
 };
 
 struct BwdParams {

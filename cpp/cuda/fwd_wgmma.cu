@@ -1,9 +1,12 @@
 // Host side of the Hopper wgmma forward: checks, TMA tensor maps and the dtype -> head_dim ->
 // mask -> softcap -> key-length dispatch to the kernel instantiations.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
+#include <string_view>
 
 #include "cuda/fwd_wgmma.cuh"
 #include "cuda/fwd_wgmma.h"
@@ -72,6 +75,36 @@ int64_t visible_keys(const FwdParams& p) {
   return std::min(keys, b.left + b.right + 1);
 }
 
+// The persistent forward (fwd_wgmma_persistent_kernel) runs where a tile's start-up is a large
+// share of its life: rows that see at most this many keys.
+constexpr int64_t kPersistentMaxKeys = 2048;
+
+// CTAs of a persistent grid on the current device: its SM count (read once per device), capped by
+// JAX_FLASH_FWD_PERSISTENT_CTAS=N when set (tests use it to give small calls many tiles a CTA); 0
+// when JAX_FLASH_FWD_PERSISTENT=0 turns the persistent form off (to measure against it).
+int64_t persistent_ctas() {
+  static const int64_t cap = [] {
+    const char* off = std::getenv("JAX_FLASH_FWD_PERSISTENT");
+    if (off != nullptr && std::string_view(off) == "0") return int64_t{0};
+    const char* n = std::getenv("JAX_FLASH_FWD_PERSISTENT_CTAS");
+    const long long v = n != nullptr ? std::atoll(n) : 0;
+    return v > 0 ? static_cast<int64_t>(v) : std::numeric_limits<int64_t>::max();
+  }();
+  if (cap == 0) return 0;
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> sms[kMaxDevices];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 0;
+  int n = sms[device].load(std::memory_order_relaxed);
+  if (n == 0) {
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      return 0;
+    }
+    sms[device].store(n, std::memory_order_relaxed);
+  }
+  return std::min<int64_t>(n, cap);
+}
+
 template <typename T, int kHeadDim, FwdMask kMask, bool kSoftcap, bool kLongKeys>
 cudaError_t launch(const FwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
   using Tr = FwdWgmmaTraits<T, kHeadDim, kMask, kSoftcap, kLongKeys>;
@@ -110,6 +143,27 @@ cudaError_t launch(const FwdParams& p, CUtensorMapDataType type, cudaStream_t st
   }
   if (args.order.ctas() == 0) return cudaSuccess;
 
+  if constexpr (sm90::fwd_persistent_tile(kHeadDim, kMask, kLongKeys, kSoftcap)) {
+    // Dense calls only: a packed call's tiles are decoded from cu_seqlens by a whole warp.
+    if (p.work_counter != nullptr && !l.varlen() && visible_keys(p) <= kPersistentMaxKeys) {
+      const int64_t ctas = persistent_ctas();
+      if (ctas > 0 && args.order.ctas() > ctas) {
+        using TrP = FwdWgmmaTraits<T, kHeadDim, kMask, kSoftcap, kLongKeys, true>;
+        const cudaError_t err =
+            configure_kernel_once<sm90::fwd_wgmma_persistent_kernel<TrP>>(TrP::kSmemBytes);
+        if (err != cudaSuccess) return err;
+        args.work_counter = p.work_counter;
+        if (const cudaError_t e = cudaMemsetAsync(p.work_counter, 0, sizeof(int32_t), stream);
+            e != cudaSuccess) {
+          return e;
+        }
+        sm90::fwd_wgmma_persistent_kernel<TrP>
+            <<<static_cast<unsigned>(ctas), TrP::kThreads, TrP::kSmemBytes, stream>>>(
+                args, tm_q, tm_k, tm_v, tm_o);
+        return cudaGetLastError();
+      }
+    }
+  }
   const auto kernel = sm90::fwd_wgmma_kernel<Tr>;
   const cudaError_t err = configure_kernel_once<sm90::fwd_wgmma_kernel<Tr>>(Tr::kSmemBytes);
   if (err != cudaSuccess) return err;

@@ -83,6 +83,9 @@ struct FwdWgmmaArgs {
   float scale_log2;     // softmax_scale * log2(e): the softmax runs in base 2
   float softcap_scale;  // softmax_scale / softcap (soft-capping kernels)
   float softcap_log2;   // softcap * log2(e): the base-2 scale of the capped score's tanh
+  // Persistent kernels: the tile counter their CTAs claim tiles from, zeroed on the stream by the
+  // launcher (fwd_wgmma_persistent_kernel).
+  int* work_counter;
 };
 
 // What a kernel instantiation masks, beyond the end of the key sequence (which every kernel
@@ -117,7 +120,17 @@ constexpr FwdWgmmaTile fwd_wgmma_tile(int head_dim, FwdMask mask, bool long_keys
 // Query rows that can see at least this many keys count as long_keys.
 inline constexpr int64_t kLongKeys = 4096;
 
-template <typename T, int kHeadDim, FwdMask kMaskKind, bool kSoftcapOn, bool kLongKeys>
+// Kernels that also have a persistent form (fwd_wgmma_persistent_kernel): 128-key blocks without
+// segment ids (head_dim 64, and head_dim 128's band kernels for short rows), where two Q buffers
+// fit beside the K/V ring (head_dim 64: 2 x 24 + 64 KB; 128: 2 x 32 + 128 KB). Not head_dim 64 with
+// softcap, whose 160-register consumers spill 150-320 bytes in the persistent form.
+constexpr bool fwd_persistent_tile(int head_dim, FwdMask mask, bool long_keys, bool softcap) {
+  return mask != FwdMask::kSegments && head_dim <= 128 && !(softcap && head_dim == 64) &&
+         fwd_wgmma_tile(head_dim, mask, long_keys).block_n == 128;
+}
+
+template <typename T, int kHeadDim, FwdMask kMaskKind, bool kSoftcapOn, bool kLongKeys,
+          bool kPersistentOn = false>
 struct FwdWgmmaTraits : Sw128Panels<kHeadDim> {
   using Panels = Sw128Panels<kHeadDim>;
   using Element = T;
@@ -144,14 +157,20 @@ struct FwdWgmmaTraits : Sw128Panels<kHeadDim> {
   static constexpr int kBlockN = kTile.block_n;
   // Consumer warpgroups take turns to issue their GEMMs (FlashAttention-3 ping-pong).
   static constexpr bool kPingPong = true;
+  // One CTA runs many tiles in turn (fwd_wgmma_persistent_kernel): two Q buffers, used by
+  // alternate tiles, so that the next tile's Q loads while this one's key blocks are computed.
+  static constexpr bool kPersistent = kPersistentOn;
+  static constexpr int kQBuffers = kPersistent ? 2 : 1;
 
   // Registers: the producer needs only addresses and loop counters (and, with segment ids, its
   // key-block walk's ballots), the consumers the accumulators (O: kD / 2, S: kBlockN / 2,
   // P: kBlockN / 4 a thread). The split uses the registers the CTA is launched with (168 a thread
   // for 384 threads, 128 for 512): 24 * 128 + 240 * 256 = 40 * 128 + 232 * 256 = 168 * 384 and
   // 32 * 128 + 160 * 384 = 128 * 512.
-  static constexpr int kProducerRegs = kConsumerWarpgroups == 2 ? (kSegments ? 40 : 24) : 32;
-  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? (kSegments ? 232 : 240) : 160;
+  // A persistent producer also decodes each tile it claims: it gets the segment-id split too.
+  static constexpr bool kBigProducer = kSegments || kPersistentOn;
+  static constexpr int kProducerRegs = kConsumerWarpgroups == 2 ? (kBigProducer ? 40 : 24) : 32;
+  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? (kBigProducer ? 232 : 240) : 160;
 
   // Tiles are Sw128Panels panels of their rows.
   static constexpr int kQPanelBytes = kBlockM * Panels::kRowBytes;
@@ -162,15 +181,18 @@ struct FwdWgmmaTraits : Sw128Panels<kHeadDim> {
   static constexpr int kStages = 2;
 
   static constexpr int kQOffset = 0;
-  static constexpr int kKOffset = kQOffset + kQBytes;
+  static constexpr int kKOffset = kQOffset + kQBuffers * kQBytes;
   static constexpr int kVOffset = kKOffset + kStages * kKVStageBytes;
   static constexpr int kBarOffset = kVOffset + kStages * kKVStageBytes;
   // mbarriers: Q full, then K full, V full, K empty, V empty per stage, then the V tile that
-  // straddles a packed sequence's end (it lands there and is released once its tail is zeroed).
-  static constexpr int kNumBarriers = 2 + 4 * kStages;
+  // straddles a packed sequence's end (it lands there and is released once its tail is zeroed);
+  // persistent kernels then add the second Q buffer's full barrier and both buffers' empty ones.
+  static constexpr int kNumBarriers = 2 + 4 * kStages + (kPersistent ? 3 : 0);
+  // Persistent kernels: each Q buffer's tile index (FwdSlots), after the barriers.
+  static constexpr int kSlotOffset = kBarOffset + 8 * kNumBarriers;
   // The extra 1024 bytes let the kernel round the dynamic shared-memory base up to the 1024-byte
   // swizzle period.
-  static constexpr int kSmemBytes = kBarOffset + 8 * kNumBarriers + 1024;
+  static constexpr int kSmemBytes = kSlotOffset + (kPersistent ? 8 : 0) + 1024;
 
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>);
   static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3);
@@ -181,6 +203,7 @@ struct FwdWgmmaTraits : Sw128Panels<kHeadDim> {
   static_assert(kQPanelBytes % 1024 == 0 && kKVPanelBytes % 1024 == 0,
                 "every tile must stay on the 1024-byte swizzle period");
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the 227 KB of shared memory a block may use");
+  static_assert(!kPersistent || fwd_persistent_tile(kHeadDim, kMaskKind, kLongKeys, kSoftcapOn));
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWarpgroups <=
                     (65536 / kThreads / 8 * 8) * kThreads,
                 "setmaxnreg can only move the registers the CTA was launched with");
@@ -464,13 +487,74 @@ __device__ __forceinline__ void issue_pv(float (&o)[Tr::kD / 2],
   wgmma_rs_mn<Tr::kD, Tr::kBlockN / 16, typename Tr::Element>(o, p, v_desc);
 }
 
+// The mbarriers after kBarOffset (FwdWgmmaTraits::kNumBarriers): index 0 is Q buffer 0's full
+// barrier, so that a one-buffer kernel's layout is unchanged by the persistent kernels' three.
+template <class Tr>
+struct FwdBarriers {
+  uint32_t first;  // shared address of barrier 0
+  __device__ __forceinline__ uint32_t q_full(int buf) const {
+    return buf == 0 ? first : first + 8u * (2 + 4 * Tr::kStages);
+  }
+  __device__ __forceinline__ uint32_t k_full(int stage) const { return first + 8u * (1 + stage); }
+  __device__ __forceinline__ uint32_t v_full(int stage) const {
+    return first + 8u * (1 + Tr::kStages + stage);
+  }
+  __device__ __forceinline__ uint32_t k_empty(int stage) const {
+    return first + 8u * (1 + 2 * Tr::kStages + stage);
+  }
+  __device__ __forceinline__ uint32_t v_empty(int stage) const {
+    return first + 8u * (1 + 3 * Tr::kStages + stage);
+  }
+  __device__ __forceinline__ uint32_t v_tail() const { return first + 8u * (1 + 4 * Tr::kStages); }
+  // Persistent kernels: every consumer thread is done with Q buffer `buf`'s tile: it has read the
+  // buffer's tile index, and its warpgroup's wgmmas and O stores have read the buffer. Each thread
+  // arrives itself, after its own read of the index (one arrival per warp would order the other
+  // lanes' reads only through the warp's convergence).
+  __device__ __forceinline__ uint32_t q_empty(int buf) const {
+    return first + 8u * (3 + 4 * Tr::kStages + buf);
+  }
+
+  // By one thread, before the CTA's first barrier.
+  __device__ __forceinline__ void init() const {
+    mbar_init(q_full(0), 1);
+    for (int s = 0; s < Tr::kStages; ++s) {
+      mbar_init(k_full(s), 1);
+      mbar_init(v_full(s), 1);
+      // Released by every consumer warp once its wgmmas have read the stage.
+      mbar_init(k_empty(s), 4 * Tr::kConsumerWarpgroups);
+      mbar_init(v_empty(s), 4 * Tr::kConsumerWarpgroups);
+    }
+    mbar_init(v_tail(), 1);
+    if constexpr (Tr::kPersistent) {
+      mbar_init(q_full(1), 1);
+      mbar_init(q_empty(0), 128 * Tr::kConsumerWarpgroups);
+      mbar_init(q_empty(1), 128 * Tr::kConsumerWarpgroups);
+    }
+    fence_barrier_init();
+  }
+};
+
+// Where a tile stands in the sequences a persistent CTA carries from tile to tile; all zeros for a
+// CTA of one tile.
+struct FwdCursor {
+  int ring = 0;  // key blocks the K/V ring has carried before this tile (each stage's use count)
+  int tile = 0;  // tiles the CTA ran before: Q buffer tile % 2, used for the (tile / 2 + 1)-th time
+};
+
+// Which part of a tile's work fwd_wgmma_tile runs: all of it (a CTA of one tile: barrier set-up,
+// the producer warpgroup and the consumer warpgroups), or, in a persistent CTA whose barriers are
+// set up once, the producer warp's part or a consumer warpgroup's part.
+enum class FwdPart : int { kWhole = 0, kProducer = 1, kConsumer = 2 };
+
 // One CTA's work: query tile `work.tile` of head `work.head`. kSegOn: the tile's rows and keys
 // are matched by segment id element by element (a dense row's tile in a segment-id call); off for
-// every other tile, the documents of rows scheduled by their runs included.
-template <class Tr, bool kSegOn>
-__device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const CtaWork& work,
-                                               const CUtensorMap& tm_q, const CUtensorMap& tm_k,
-                                               const CUtensorMap& tm_v, const CUtensorMap& tm_o) {
+// every other tile, the documents of rows scheduled by their runs included. Returns the key blocks
+// the tile's walk took through the K/V ring (persistent kernels, which have no segment ids).
+template <class Tr, bool kSegOn, FwdPart kPart = FwdPart::kWhole>
+__device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const CtaWork& work,
+                                              const CUtensorMap& tm_q, const CUtensorMap& tm_k,
+                                              const CUtensorMap& tm_v, const CUtensorMap& tm_o,
+                                              const FwdCursor& cur = FwdCursor{}) {
   using T = typename Tr::Element;
   constexpr bool kBand = Tr::kBand;
   constexpr bool kSegments = kSegOn;
@@ -480,6 +564,8 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kStages = Tr::kStages;
+  // The early first loads leave before a one-tile CTA's barrier (kFwdEarlyFirstLoads).
+  constexpr bool kEarlyLoads = kFwdEarlyFirstLoads && kPart == FwdPart::kWhole;
 
   // ------------------------------------------------------------------ which tile
   const SeqLayout& layout = args.layout;
@@ -529,15 +615,23 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
   const uint32_t raw_addr = tc::smem_addr(smem_raw);
   const uint32_t base = (raw_addr + 1023u) & ~1023u;
   uint8_t* const smem = smem_raw + (base - raw_addr);
-  const uint32_t q_smem = base + Tr::kQOffset;
+  // A persistent CTA's tile uses Q buffer cur.tile % 2 and continues the K/V ring's stage
+  // sequence at cur.ring; a CTA of one tile starts both at 0.
+  const int q_buf = Tr::kPersistent ? cur.tile & 1 : 0;
+  const uint32_t q_phase = Tr::kPersistent ? (cur.tile >> 1) & 1 : 0;
+  const int ring = Tr::kPersistent ? cur.ring : 0;
+  const auto stage_of = [&](int i) { return (ring + i) % kStages; };
+  const auto phase_of = [&](int i) { return static_cast<uint32_t>(((ring + i) / kStages) & 1); };
+  const uint32_t q_smem = base + Tr::kQOffset + q_buf * Tr::kQBytes;
   const uint32_t k_smem = base + Tr::kKOffset;
   const uint32_t v_smem = base + Tr::kVOffset;
-  const uint32_t bar_q = base + Tr::kBarOffset;
-  const auto bar_k_full = [&](int stage) { return bar_q + 8u * (1 + stage); };
-  const auto bar_v_full = [&](int stage) { return bar_q + 8u * (1 + kStages + stage); };
-  const auto bar_k_empty = [&](int stage) { return bar_q + 8u * (1 + 2 * kStages + stage); };
-  const auto bar_v_empty = [&](int stage) { return bar_q + 8u * (1 + 3 * kStages + stage); };
-  const uint32_t bar_v_tail = bar_q + 8u * (1 + 4 * kStages);
+  const FwdBarriers<Tr> bars{base + Tr::kBarOffset};
+  const uint32_t bar_q = bars.q_full(q_buf);
+  const auto bar_k_full = [&](int stage) { return bars.k_full(stage); };
+  const auto bar_v_full = [&](int stage) { return bars.v_full(stage); };
+  const auto bar_k_empty = [&](int stage) { return bars.k_empty(stage); };
+  const auto bar_v_empty = [&](int stage) { return bars.v_empty(stage); };
+  const uint32_t bar_v_tail = bars.v_tail();
 
   // Q's load and the K tile of key row n0 into `stage`, issued by one thread.
   const auto load_q = [&]() {
@@ -562,17 +656,8 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
     }
   };
 
-  if (threadIdx.x == 0) {
-    mbar_init(bar_q, 1);
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(bar_k_full(s), 1);
-      mbar_init(bar_v_full(s), 1);
-      // Released by every consumer warp once its wgmmas have read the stage.
-      mbar_init(bar_k_empty(s), 4 * Tr::kConsumerWarpgroups);
-      mbar_init(bar_v_empty(s), 4 * Tr::kConsumerWarpgroups);
-    }
-    mbar_init(bar_v_tail, 1);
-    fence_barrier_init();
+  if (kPart == FwdPart::kWhole && threadIdx.x == 0) {
+    bars.init();
     if constexpr (kFwdEarlyFirstLoads) {
       // The CTA's first loads leave before the barrier below and the producer's setmaxnreg: Q and
       // the walk's first key block (the last block of the band; with segment ids the walk's ballots
@@ -583,15 +668,15 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
       }
     }
   }
-  __syncthreads();
+  if constexpr (kPart == FwdPart::kWhole) __syncthreads();
 
   const int warpgroup = static_cast<int>(threadIdx.x) / 128;
-  if (warpgroup == 0) {
+  if (kPart == FwdPart::kProducer || (kPart == FwdPart::kWhole && warpgroup == 0)) {
     // ------------------------------------------------------------------ producer
-    setmaxnreg_dec<Tr::kProducerRegs>();
+    if constexpr (kPart == FwdPart::kWhole) setmaxnreg_dec<Tr::kProducerRegs>();
     // One warp: lane 0 issues the loads; all lanes walk the key blocks (segment ballots) and zero
     // a straddling V tile.
-    if (threadIdx.x < 32) {
+    if (kPart == FwdPart::kProducer || threadIdx.x < 32) {
       const int lane = static_cast<int>(threadIdx.x);
       const bool leader = lane == 0;
       SegmentWalk seg{};
@@ -599,7 +684,10 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
       // Q is loaded whenever the band leaves the tile a key block, before the segment walk's
       // first round of loads decides which block that is: Q's latency then overlaps it.
       const bool band_keys = first_block < last_block;
-      if (leader && band_keys && !kFwdEarlyFirstLoads) load_q();
+      if (leader && band_keys && !kEarlyLoads) load_q();
+      // A persistent CTA's consumers wait for every tile's Q-full phase, which also publishes the
+      // tile's index: a tile without keys completes it with a plain arrival.
+      if (Tr::kPersistent && leader && !band_keys) mbar_arrive(bar_q);
       KeyWalk walk = key_walk<kSegments>(first_block, last_block);
       bool unused;
       int nb = next_key_block<kBlockN, kSegments, false>(walk, seg, unused);
@@ -625,20 +713,20 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
         // Key blocks are visited last to first so that the masked ones (diagonal, tail) come first.
         for (int it = 0; nb >= first_block;
              ++it, nb = next_key_block<kBlockN, kSegments, false>(walk, seg, unused)) {
-          const int stage = it % kStages;
+          const int stage = stage_of(it);
           const int n0 = nb * kBlockN;
-          // Use u = it / kStages of a stage needs the consumers' release of use u - 1.
-          const uint32_t empty_parity = ((it / kStages) + 1) & 1;
+          // Use u = (ring + it) / kStages of a stage needs the consumers' release of use u - 1.
+          const uint32_t empty_parity = phase_of(it) ^ 1u;
           // (The walk's first K block may have left with Q, before the CTA's barrier.)
-          if (leader && !(kFwdEarlyFirstLoads && !kSegments && it == 0)) {
-            if (it >= kStages) mbar_wait(bar_k_empty(stage), empty_parity);
+          if (leader && !(kEarlyLoads && !kSegments && it == 0)) {
+            if (ring + it >= kStages) mbar_wait(bar_k_empty(stage), empty_parity);
             load_k(stage, n0, kv_head);
           }
           if (tail_stage >= 0) release_tail();
           const bool straddles = varlen && n0 + int64_t{kBlockN} > len_k;
           const uint32_t v_bar = straddles ? bar_v_tail : bar_v_full(stage);
           if (leader) {
-            if (it >= kStages) mbar_wait(bar_v_empty(stage), empty_parity);
+            if (ring + it >= kStages) mbar_wait(bar_v_empty(stage), empty_parity);
             mbar_arrive_expect_tx(v_bar, Tr::kKVStageBytes);
 #pragma unroll
             for (int p = 0; p < Tr::kPanels; ++p) {
@@ -654,9 +742,9 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
         if (tail_stage >= 0) release_tail();
       }
     }
-  } else {
+  } else if constexpr (kPart != FwdPart::kProducer) {
     // ------------------------------------------------------------------ consumers
-    setmaxnreg_inc<Tr::kConsumerRegs>();
+    if constexpr (kPart == FwdPart::kWhole) setmaxnreg_inc<Tr::kConsumerRegs>();
     // Per-warpgroup decisions (which rows, which blocks are fully visible) then steer branches
     // the compiler knows are warp-uniform.
     const int cw = warp_uniform(warpgroup - 1);
@@ -724,13 +812,17 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
       // cores. Turns are: QK^T of the first block; QK^T of each further block with P V of the one
       // before; P V of the last block (the final turn). Warpgroup 0 takes the first turn freely
       // and the end of each turn opens the next warpgroup's; the arrivals exactly match the
-      // waits, so no barrier is left pending when the CTA exits.
+      // waits, so no barrier is left pending when the CTA exits. A persistent CTA's tiles continue
+      // one ring: the last warpgroup's final turn opens warpgroup 0's first turn of the next tile
+      // that has key blocks (ring > 0: an earlier tile had turns), or its wait at the CTA's end.
       constexpr int kGroups = Tr::kConsumerWarpgroups;
       const auto turn_begin = [&](bool first_turn) {
-        if (Tr::kPingPong && (cw > 0 || !first_turn)) named_barrier_sync(kBarSchedBase + cw, 256);
+        if (Tr::kPingPong && (cw > 0 || !first_turn || ring > 0)) {
+          named_barrier_sync(kBarSchedBase + cw, 256);
+        }
       };
       const auto turn_end = [&](bool final_turn) {
-        if (Tr::kPingPong && (cw < kGroups - 1 || !final_turn)) {
+        if (Tr::kPingPong && (cw < kGroups - 1 || !final_turn || Tr::kPersistent)) {
           named_barrier_arrive(kBarSchedBase + (cw + 1) % kGroups, 256);
         }
       };
@@ -748,24 +840,24 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
 
       if (!active) {
         // Same waits, releases and turns as below, without the math.
-        mbar_wait(bar_k_full(0), 0);
+        mbar_wait(bar_k_full(stage_of(0)), phase_of(0));
         turn_begin(true);
         turn_end(false);
-        release(bar_k_empty(0));
+        release(bar_k_empty(stage_of(0)));
         int it = 1;
         for (nb = next_key_block<kBlockN, kSegments, true>(walk, seg, mixed); nb >= first_block;
              nb = next_key_block<kBlockN, kSegments, true>(walk, seg, mixed), ++it) {
-          mbar_wait(bar_k_full(it % kStages), (it / kStages) & 1);
+          mbar_wait(bar_k_full(stage_of(it)), phase_of(it));
           turn_begin(false);
-          mbar_wait(bar_v_full((it - 1) % kStages), ((it - 1) / kStages) & 1);
+          mbar_wait(bar_v_full(stage_of(it - 1)), phase_of(it - 1));
           turn_end(false);
-          release(bar_k_empty(it % kStages));
-          release(bar_v_empty((it - 1) % kStages));
+          release(bar_k_empty(stage_of(it)));
+          release(bar_v_empty(stage_of(it - 1)));
         }
-        mbar_wait(bar_v_full((it - 1) % kStages), ((it - 1) / kStages) & 1);
+        mbar_wait(bar_v_full(stage_of(it - 1)), phase_of(it - 1));
         turn_begin(false);
         turn_end(true);
-        release(bar_v_empty((it - 1) % kStages));
+        release(bar_v_empty(stage_of(it - 1)));
       } else {
         // Scores of one block: soft-capping, element masks where the block is not entirely visible
         // to this warpgroup's rows (or its segment ids are mixed), then the online softmax.
@@ -800,7 +892,7 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
           }
         };
 
-        mbar_wait(bar_q, 0);
+        mbar_wait(bar_q, q_phase);
 
         // With kWgSkip, the walk's steps [lead, lead + count) are this warpgroup's blocks (step i
         // is block last_block - 1 - i); the others get idle turns. Without it, every step is.
@@ -825,12 +917,12 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
         // Turn i of the walk (0 <= i <= steps) without math: it holds K of step i (i < steps)
         // and V of step i - 1 (i > 0), which the other warpgroups may be using.
         const auto idle_turn = [&](int i) {
-          if (i < steps) mbar_wait(bar_k_full(i % kStages), (i / kStages) & 1);
-          if (i > 0) mbar_wait(bar_v_full((i - 1) % kStages), ((i - 1) / kStages) & 1);
+          if (i < steps) mbar_wait(bar_k_full(stage_of(i)), phase_of(i));
+          if (i > 0) mbar_wait(bar_v_full(stage_of(i - 1)), phase_of(i - 1));
           turn_begin(i == 0);
           turn_end(i == steps);
-          if (i < steps) release(bar_k_empty(i % kStages));
-          if (i > 0) release(bar_v_empty((i - 1) % kStages));
+          if (i < steps) release(bar_k_empty(stage_of(i)));
+          if (i > 0) release(bar_v_empty(stage_of(i - 1)));
         };
         if (kWgSkip && count <= 0) {
           // None of the walk's blocks is visible to these rows: O = 0, lse = -inf (or the sink).
@@ -848,23 +940,21 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
           bool next_mixed;
           int next;
           {
-            const int s0 = lead % kStages;
-            mbar_wait(bar_k_full(s0), (lead / kStages) & 1);
+            const int s0 = stage_of(lead);
+            mbar_wait(bar_k_full(s0), phase_of(lead));
             turn_begin(lead == 0);
             wgmma_fence();
             issue_qk<Tr>(s, q_desc, k_desc(s0));
             wgmma_commit();
             // A skipped step before this one: its V is released in this turn.
-            if (kWgSkip && lead > 0) {
-              mbar_wait(bar_v_full((lead - 1) % kStages), ((lead - 1) / kStages) & 1);
-            }
+            if (kWgSkip && lead > 0) mbar_wait(bar_v_full(stage_of(lead - 1)), phase_of(lead - 1));
             turn_end(false);
             // The walk's chunk-range loads (segment ids) run under the GEMM.
             next = next_key_block<kBlockN, kSegments, true>(walk, seg, next_mixed);
             wgmma_wait<0>();
             fence_operand(s);
             release(bar_k_empty(s0));
-            if (kWgSkip && lead > 0) release(bar_v_empty((lead - 1) % kStages));
+            if (kWgSkip && lead > 0) release(bar_v_empty(stage_of(lead - 1)));
             softmax_block(nb * kBlockN, mixed);
             convert_p<kBlockN, T>(s, p);
           }
@@ -874,16 +964,16 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
           for (; next >= wg_first; ++it) {
             nb = next;
             mixed = next_mixed;
-            const int stage = it % kStages;
-            const int prev = (it - 1) % kStages;
-            mbar_wait(bar_k_full(stage), (it / kStages) & 1);
+            const int stage = stage_of(it);
+            const int prev = stage_of(it - 1);
+            mbar_wait(bar_k_full(stage), phase_of(it));
             turn_begin(false);
             wgmma_fence();
             issue_qk<Tr>(s, q_desc, k_desc(stage));
             wgmma_commit();
             // O's rescale for block it-1 is done here, hidden under the QK^T just issued.
             rescale_acc();
-            mbar_wait(bar_v_full(prev), ((it - 1) / kStages) & 1);
+            mbar_wait(bar_v_full(prev), phase_of(it - 1));
             wgmma_fence();
             issue_pv<Tr>(o, p, v_desc(prev));
             wgmma_commit();
@@ -902,12 +992,12 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
           }
 
           {
-            const int last = (it - 1) % kStages;
+            const int last = stage_of(it - 1);
             // Skipped steps after this warpgroup's blocks: this turn holds the next step's K.
             const bool more = kWgSkip && it < steps;
-            if (more) mbar_wait(bar_k_full(it % kStages), (it / kStages) & 1);
+            if (more) mbar_wait(bar_k_full(stage_of(it)), phase_of(it));
             rescale_acc();
-            mbar_wait(bar_v_full(last), ((it - 1) / kStages) & 1);
+            mbar_wait(bar_v_full(last), phase_of(it - 1));
             turn_begin(false);
             wgmma_fence();
             issue_pv<Tr>(o, p, v_desc(last));
@@ -917,7 +1007,7 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
             fence_operand(o);
             fence_operand(p);
             release(bar_v_empty(last));
-            if (more) release(bar_k_empty(it % kStages));
+            if (more) release(bar_k_empty(stage_of(it)));
           }
           if constexpr (kWgSkip) {
             for (int i = it + 1; i <= steps; ++i) idle_turn(i);
@@ -943,7 +1033,7 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
       // O goes through this warpgroup's own 64 rows of the Q tile (no longer read by any wgmma)
       // in the same swizzled panel layout. Row index inside the warpgroup is 16 * warp + g (+8);
       // both have (row % 8) == g, so chunk c of either row sits at c ^ g.
-      uint8_t* const o_stage = smem + Tr::kQOffset + cw * 64 * Tr::kRowBytes;
+      uint8_t* const o_stage = smem + Tr::kQOffset + q_buf * Tr::kQBytes + cw * 64 * Tr::kRowBytes;
 #pragma unroll
       for (int i = 0; i < kD / 8; ++i) {
         const int panel = i / 8;
@@ -993,7 +1083,12 @@ __device__ __forceinline__ void fwd_wgmma_tile(const FwdWgmmaArgs& args, const C
         }
       }
     }
+    // The O stores above have read the Q buffer (their issuer, thread 0, waited for that before
+    // its arrival), no wgmma reads it any more, and this thread has read its tile index: the
+    // producer may publish a later tile in the buffer and load that tile's Q into it.
+    if constexpr (Tr::kPersistent) mbar_arrive(bars.q_empty(q_buf));
   }
+  return first_block < last_block ? last_block - first_block : 0;
 }
 
 #endif  // JAX_FLASH_SM90A
@@ -1041,6 +1136,88 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   fwd_wgmma_tile<Tr, Tr::kSegments>(args, work, tm_q, tm_k, tm_v, tm_o);
 #else
   // A device pass without the sm_90a instructions (the host never launches it there).
+  __trap();
+#endif  // JAX_FLASH_SM90A
+}
+
+// The persistent form: gridDim.x CTAs (at most one per SM) run all args.order.ctas() tiles. CTA c
+// starts with tile c; its producer warp then claims one tile after another from
+// args.work_counter (tile gridDim.x + the counter's old value, in launch order: the claim is as
+// greedy as the hardware's CTA dispatch, and tiles heavier first), until the tiles run out. The
+// producer publishes each tile's index in the slot of the Q buffer it loads the tile's Q into,
+// before its arrival on that buffer's full barrier; the consumers read it after their wait, decode
+// the same tile and run it, while the producer already loads the next tile's Q into the other
+// buffer and its first K/V blocks into the ring. -1 ends the consumers' loop. What this saves
+// against a CTA per tile: a CTA's launch, barrier set-up and register hand-off, and the wait for
+// its Q, which otherwise start every tile (about a third of a head_dim-64 CTA's life at 1k keys,
+// docs/PERF_LOG.md).
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    fwd_wgmma_persistent_kernel(const FwdWgmmaArgs args, const __grid_constant__ CUtensorMap tm_q,
+                                const __grid_constant__ CUtensorMap tm_k,
+                                const __grid_constant__ CUtensorMap tm_v,
+                                const __grid_constant__ CUtensorMap tm_o) {
+#if JAX_FLASH_SM90A
+  static_assert(Tr::kPersistent && !Tr::kSegments);
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_addr = tc::smem_addr(smem_raw);
+  const uint32_t base = (raw_addr + 1023u) & ~1023u;
+  const FwdBarriers<Tr> bars{base + Tr::kBarOffset};
+  volatile int* const slots =
+      reinterpret_cast<volatile int*>(smem_raw + (base - raw_addr) + Tr::kSlotOffset);
+  if (threadIdx.x == 0) bars.init();
+  __syncthreads();
+
+  SeqLayout layout = args.layout;
+  layout.runs = nullptr;
+  const int tiles = static_cast<int>(args.order.ctas());
+  const auto work_of = [&](int tile) {
+    return args.order.work(layout, tile, Tr::kBand, Tr::kBlockM, false);
+  };
+  FwdCursor cur{};
+  if (threadIdx.x < 128) {
+    setmaxnreg_dec<Tr::kProducerRegs>();
+    if (threadIdx.x < 32) {
+      const int lane = static_cast<int>(threadIdx.x);
+      int tile = static_cast<int>(blockIdx.x);
+      for (;; ++cur.tile) {
+        const int buf = cur.tile & 1;
+        // The next tile is claimed before this one's loads, so the atomic's latency hides there.
+        int next = 0;
+        if (lane == 0 && tile < tiles) {
+          next = atomicAdd(args.work_counter, 1) + static_cast<int>(gridDim.x);
+        }
+        // The buffer's slot and Q are free once every consumer warpgroup has finished the tile
+        // that used them before (its (cur.tile / 2)-th use, phase parity (cur.tile / 2 - 1) % 2).
+        if (cur.tile >= 2) mbar_wait(bars.q_empty(buf), ((cur.tile >> 1) + 1) & 1);
+        const bool done = tile >= tiles;
+        if (lane == 0) {
+          slots[buf] = done ? -1 : tile;
+          // The slot's store is released by the arrival on the buffer's full barrier: here, or in
+          // the tile's producer part (Q's arrival with its byte count, or a plain one).
+          if (done) mbar_arrive(bars.q_full(buf));
+        }
+        if (done) break;
+        cur.ring += fwd_wgmma_tile<Tr, false, FwdPart::kProducer>(args, work_of(tile), tm_q, tm_k,
+                                                                  tm_v, tm_o, cur);
+        tile = __shfl_sync(0xffffffffu, next, 0);
+      }
+    }
+  } else {
+    setmaxnreg_inc<Tr::kConsumerRegs>();
+    for (;; ++cur.tile) {
+      const int buf = cur.tile & 1;
+      mbar_wait(bars.q_full(buf), (cur.tile >> 1) & 1);
+      const int tile = warp_uniform(slots[buf]);
+      if (tile < 0) break;
+      cur.ring += fwd_wgmma_tile<Tr, false, FwdPart::kConsumer>(args, work_of(tile), tm_q, tm_k,
+                                                                tm_v, tm_o, cur);
+    }
+    // The last warpgroup's final turn of the last tile with key blocks opened warpgroup 0's next
+    // turn (fwd_wgmma_tile's ping-pong): warpgroup 0 takes it, so no barrier is left pending.
+    if (Tr::kPingPong && threadIdx.x < 256 && cur.ring > 0) named_barrier_sync(kBarSchedBase, 256);
+  }
+#else
   __trap();
 #endif  // JAX_FLASH_SM90A
 }

@@ -25,9 +25,16 @@ ffi::Error cuda_status(cudaError_t status, const char* what) {
 
 ffi::Error fwd_cuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::RemainingArgs extras, ffi::Result<ffi::AnyBuffer> o,
-                    ffi::Result<ffi::AnyBuffer> lse, ffi::Dictionary attrs) {
+                    ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> work_counter,
+                    ffi::Dictionary attrs) {
   auto call = decode_fwd(q, k, v, extras, *o, *lse, attrs);
   if (call.has_error()) return call.error();
+  // The persistent forward's tile counter (one int32; vmap may give each batch element its own,
+  // of which the call uses the first).
+  if (work_counter->element_type() != ffi::DataType::S32 || work_counter->element_count() < 1) {
+    return invalid("work_counter must be int32 with at least one element");
+  }
+  call->params.work_counter = static_cast<int32_t*>(work_counter->untyped_data());
   return cuda_status(cuda::attention_fwd(call->params, call->dtype, stream),
                      "attention forward launch");
 }
@@ -131,6 +138,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlashFwdCuda, jax_flash::ffi_glue::fwd_cuda,
                                   .RemainingArgs()  // the optional inputs, ffi/shapes.h Extra
                                   .Ret<xla::ffi::AnyBuffer>()  // out [..., Sq, Hq, D]
                                   .Ret<xla::ffi::AnyBuffer>()  // lse [..., Hq, Sq]
+                                  .Ret<xla::ffi::AnyBuffer>()  // work_counter int32 scratch
                                   .Attrs<xla::ffi::Dictionary>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
