@@ -99,6 +99,19 @@ for stage in "${expanded[@]}"; do
       JAX_FLASH_CUDA_FAMILY=mma run_stage memcheck-mma timeout 150 compute-sanitizer \
         --tool memcheck --error-exitcode 3 build/gpu/sanitize_cases
       ;;
+    test-persistent)
+      # The persistent forward on every call it serves: the suite's calls are small (fewer tiles
+      # than SMs), so the grid is capped at 3 CTAs, each running many tiles; then the persistent
+      # kernels under racecheck and memcheck the same way.
+      run_stage test-persistent env "${test_env[@]}" JAX_FLASH_FWD_PERSISTENT_CTAS=3 \
+        timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -rs -n "${TEST_WORKERS:-8}" tests
+      JAX_FLASH_FWD_PERSISTENT_CTAS=3 run_stage racecheck-persistent timeout 150 \
+        compute-sanitizer --tool racecheck --kernel-name kns=fwd_wgmma_persistent \
+        --error-exitcode 3 build/gpu/sanitize_cases
+      JAX_FLASH_FWD_PERSISTENT_CTAS=3 run_stage memcheck-persistent timeout 150 \
+        compute-sanitizer --tool memcheck --kernel-name kns=fwd_wgmma_persistent \
+        --error-exitcode 3 build/gpu/sanitize_cases
+      ;;
     fwd-check) kernel_check fwd-wgmma tools/wgmma_check.cu cpp/cuda/fwd_wgmma.cu ;;
     bwd-check) kernel_check bwd-wgmma tools/bwd_wgmma_check.cu cpp/cuda/bwd_wgmma.cu ;;
     decode-check)
