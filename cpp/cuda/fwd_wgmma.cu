@@ -79,13 +79,20 @@ int64_t visible_keys(const FwdParams& p) {
 // share of its life: rows that see at most this many keys.
 constexpr int64_t kPersistentMaxKeys = 2048;
 
+// Whether calls the persistent form serves use it when JAX_FLASH_FWD_PERSISTENT is unset.
+#ifndef JAX_FLASH_FWD_PERSISTENT_DEFAULT
+#define JAX_FLASH_FWD_PERSISTENT_DEFAULT 1
+#endif
+
 // CTAs of a persistent grid on the current device: its SM count (read once per device), capped by
 // JAX_FLASH_FWD_PERSISTENT_CTAS=N when set (tests use it to give small calls many tiles a CTA); 0
-// when JAX_FLASH_FWD_PERSISTENT=0 turns the persistent form off (to measure against it).
+// when the persistent form is off (JAX_FLASH_FWD_PERSISTENT=0; =1 turns it on).
 int64_t persistent_ctas() {
   static const int64_t cap = [] {
-    const char* off = std::getenv("JAX_FLASH_FWD_PERSISTENT");
-    if (off != nullptr && std::string_view(off) == "0") return int64_t{0};
+    const char* env = std::getenv("JAX_FLASH_FWD_PERSISTENT");
+    const bool on =
+        env != nullptr ? std::string_view(env) != "0" : JAX_FLASH_FWD_PERSISTENT_DEFAULT != 0;
+    if (!on) return int64_t{0};
     const char* n = std::getenv("JAX_FLASH_FWD_PERSISTENT_CTAS");
     const long long v = n != nullptr ? std::atoll(n) : 0;
     return v > 0 ? static_cast<int64_t>(v) : std::numeric_limits<int64_t>::max();
