@@ -103,12 +103,15 @@ for stage in "${expanded[@]}"; do
       # The persistent forward on every call it serves: the suite's calls are small (fewer tiles
       # than SMs), so the grid is capped at 3 CTAs, each running many tiles; then the persistent
       # kernels under racecheck and memcheck the same way.
-      run_stage test-persistent env "${test_env[@]}" JAX_FLASH_FWD_PERSISTENT_CTAS=3 \
+      run_stage test-persistent env "${test_env[@]}" JAX_FLASH_FWD_PERSISTENT=1 \
+        JAX_FLASH_FWD_PERSISTENT_CTAS=3 \
         timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -rs -n "${TEST_WORKERS:-8}" tests
-      JAX_FLASH_FWD_PERSISTENT_CTAS=3 run_stage racecheck-persistent timeout 150 \
+      JAX_FLASH_FWD_PERSISTENT=1 JAX_FLASH_FWD_PERSISTENT_CTAS=3 run_stage racecheck-persistent \
+        timeout 150 \
         compute-sanitizer --tool racecheck --kernel-name kns=fwd_wgmma_persistent \
         --error-exitcode 3 build/gpu/sanitize_cases
-      JAX_FLASH_FWD_PERSISTENT_CTAS=3 run_stage memcheck-persistent timeout 150 \
+      JAX_FLASH_FWD_PERSISTENT=1 JAX_FLASH_FWD_PERSISTENT_CTAS=3 run_stage memcheck-persistent \
+        timeout 150 \
         compute-sanitizer --tool memcheck --kernel-name kns=fwd_wgmma_persistent \
         --error-exitcode 3 build/gpu/sanitize_cases
       ;;
