@@ -1187,8 +1187,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if (lane == 0 && tile < tiles) {
           next = atomicAdd(args.work_counter, 1) + static_cast<int>(gridDim.x);
         }
-        // The buffer's slot and Q are free once every consumer warpgroup has finished the tile
-        // that used them before (its (cur.tile / 2)-th use, phase parity (cur.tile / 2 - 1) % 2).
+        // The buffer's slot and Q are free once every consumer thread has finished the tile that
+        // used them before (its (cur.tile / 2)-th use, phase parity (cur.tile / 2 - 1) % 2).
         if (cur.tile >= 2) mbar_wait(bars.q_empty(buf), ((cur.tile >> 1) + 1) & 1);
         const bool done = tile >= tiles;
         if (lane == 0) {
