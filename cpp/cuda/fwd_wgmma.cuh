@@ -4,7 +4,8 @@
 // each owning 64 query rows, run S = Q K^T and O += P V on warpgroup MMA (wgmma) with the online
 // softmax kept in registers. setmaxnreg moves registers from the producer to the consumers; the
 // consumers take turns issuing GEMMs (ping-pong), and each overlaps the softmax of one key block
-// with the P V GEMM of the previous one.
+// with the P V GEMM of the previous one. A CTA runs one query tile, or, in the persistent form
+// (fwd_wgmma_persistent_kernel), one tile after another with the same per-tile code.
 //
 // Which keys a query tile visits and which scores exist come from the shared mask policy
 // (common/mask.h) and tile scheduler (common/schedule.h): a query tile visits the key blocks of
@@ -188,7 +189,8 @@ struct FwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // straddles a packed sequence's end (it lands there and is released once its tail is zeroed);
   // persistent kernels then add the second Q buffer's full barrier and both buffers' empty ones.
   static constexpr int kNumBarriers = 2 + 4 * kStages + (kPersistent ? 3 : 0);
-  // Persistent kernels: each Q buffer's tile index (FwdSlots), after the barriers.
+  // Persistent kernels: each Q buffer's tile index (fwd_wgmma_persistent_kernel's `slots`), after
+  // the barriers.
   static constexpr int kSlotOffset = kBarOffset + 8 * kNumBarriers;
   // The extra 1024 bytes let the kernel round the dynamic shared-memory base up to the 1024-byte
   // swizzle period.
