@@ -1,7 +1,6 @@
 // Host side of the Hopper wgmma forward: checks, TMA tensor maps and the dtype -> head_dim ->
 // mask -> softcap -> key-length dispatch to the kernel instantiations.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -99,19 +98,7 @@ int64_t persistent_ctas() {
     const long long v = n != nullptr ? std::atoll(n) : 0;
     return v > 0 ? static_cast<int64_t>(v) : std::numeric_limits<int64_t>::max();
   }();
-  if (cap == 0) return 0;
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> sms[kMaxDevices];
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 0;
-  int n = sms[device].load(std::memory_order_relaxed);
-  if (n == 0) {
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      return 0;
-    }
-    sms[device].store(n, std::memory_order_relaxed);
-  }
-  return std::min<int64_t>(n, cap);
+  return cap == 0 ? 0 : std::min<int64_t>(sm90::sm_count(), cap);
 }
 
 template <typename T, int kHeadDim, FwdMask kMask, bool kSoftcap, bool kLongKeys>

@@ -629,10 +629,6 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
   const uint32_t v_smem = base + Tr::kVOffset;
   const FwdBarriers<Tr> bars{base + Tr::kBarOffset};
   const uint32_t bar_q = bars.q_full(q_buf);
-  const auto bar_k_full = [&](int stage) { return bars.k_full(stage); };
-  const auto bar_v_full = [&](int stage) { return bars.v_full(stage); };
-  const auto bar_k_empty = [&](int stage) { return bars.k_empty(stage); };
-  const auto bar_v_empty = [&](int stage) { return bars.v_empty(stage); };
   const uint32_t bar_v_tail = bars.v_tail();
 
   // Q's load and the K tile of key row n0 into `stage`, issued by one thread.
@@ -650,11 +646,11 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
     }
   };
   const auto load_k = [&](int stage, int n0, int kv_head) {
-    mbar_arrive_expect_tx(bar_k_full(stage), Tr::kKVStageBytes);
+    mbar_arrive_expect_tx(bars.k_full(stage), Tr::kKVStageBytes);
 #pragma unroll
     for (int p = 0; p < Tr::kPanels; ++p) {
       tma_load_4d(k_smem + stage * Tr::kKVStageBytes + p * Tr::kKVPanelBytes, &tm_k,
-                  bar_k_full(stage), p * Tr::kPanelCols, kv_head, k_row0 + n0, map_batch);
+                  bars.k_full(stage), p * Tr::kPanelCols, kv_head, k_row0 + n0, map_batch);
     }
   };
 
@@ -709,7 +705,7 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
                              lane);
           fence_proxy_async_smem();
           __syncwarp();
-          if (leader) mbar_arrive(bar_v_full(tail_stage));
+          if (leader) mbar_arrive(bars.v_full(tail_stage));
           tail_stage = -1;
         };
         // Key blocks are visited last to first so that the masked ones (diagonal, tail) come first.
@@ -721,14 +717,14 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
           const uint32_t empty_parity = phase_of(it) ^ 1u;
           // (The walk's first K block may have left with Q, before the CTA's barrier.)
           if (leader && !(kEarlyLoads && !kSegments && it == 0)) {
-            if (ring + it >= kStages) mbar_wait(bar_k_empty(stage), empty_parity);
+            if (ring + it >= kStages) mbar_wait(bars.k_empty(stage), empty_parity);
             load_k(stage, n0, kv_head);
           }
           if (tail_stage >= 0) release_tail();
           const bool straddles = varlen && n0 + int64_t{kBlockN} > len_k;
-          const uint32_t v_bar = straddles ? bar_v_tail : bar_v_full(stage);
+          const uint32_t v_bar = straddles ? bar_v_tail : bars.v_full(stage);
           if (leader) {
-            if (ring + it >= kStages) mbar_wait(bar_v_empty(stage), empty_parity);
+            if (ring + it >= kStages) mbar_wait(bars.v_empty(stage), empty_parity);
             mbar_arrive_expect_tx(v_bar, Tr::kKVStageBytes);
 #pragma unroll
             for (int p = 0; p < Tr::kPanels; ++p) {
@@ -842,24 +838,24 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
 
       if (!active) {
         // Same waits, releases and turns as below, without the math.
-        mbar_wait(bar_k_full(stage_of(0)), phase_of(0));
+        mbar_wait(bars.k_full(stage_of(0)), phase_of(0));
         turn_begin(true);
         turn_end(false);
-        release(bar_k_empty(stage_of(0)));
+        release(bars.k_empty(stage_of(0)));
         int it = 1;
         for (nb = next_key_block<kBlockN, kSegments, true>(walk, seg, mixed); nb >= first_block;
              nb = next_key_block<kBlockN, kSegments, true>(walk, seg, mixed), ++it) {
-          mbar_wait(bar_k_full(stage_of(it)), phase_of(it));
+          mbar_wait(bars.k_full(stage_of(it)), phase_of(it));
           turn_begin(false);
-          mbar_wait(bar_v_full(stage_of(it - 1)), phase_of(it - 1));
+          mbar_wait(bars.v_full(stage_of(it - 1)), phase_of(it - 1));
           turn_end(false);
-          release(bar_k_empty(stage_of(it)));
-          release(bar_v_empty(stage_of(it - 1)));
+          release(bars.k_empty(stage_of(it)));
+          release(bars.v_empty(stage_of(it - 1)));
         }
-        mbar_wait(bar_v_full(stage_of(it - 1)), phase_of(it - 1));
+        mbar_wait(bars.v_full(stage_of(it - 1)), phase_of(it - 1));
         turn_begin(false);
         turn_end(true);
-        release(bar_v_empty(stage_of(it - 1)));
+        release(bars.v_empty(stage_of(it - 1)));
       } else {
         // Scores of one block: soft-capping, element masks where the block is not entirely visible
         // to this warpgroup's rows (or its segment ids are mixed), then the online softmax.
@@ -919,12 +915,12 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
         // Turn i of the walk (0 <= i <= steps) without math: it holds K of step i (i < steps)
         // and V of step i - 1 (i > 0), which the other warpgroups may be using.
         const auto idle_turn = [&](int i) {
-          if (i < steps) mbar_wait(bar_k_full(stage_of(i)), phase_of(i));
-          if (i > 0) mbar_wait(bar_v_full(stage_of(i - 1)), phase_of(i - 1));
+          if (i < steps) mbar_wait(bars.k_full(stage_of(i)), phase_of(i));
+          if (i > 0) mbar_wait(bars.v_full(stage_of(i - 1)), phase_of(i - 1));
           turn_begin(i == 0);
           turn_end(i == steps);
-          if (i < steps) release(bar_k_empty(stage_of(i)));
-          if (i > 0) release(bar_v_empty(stage_of(i - 1)));
+          if (i < steps) release(bars.k_empty(stage_of(i)));
+          if (i > 0) release(bars.v_empty(stage_of(i - 1)));
         };
         if (kWgSkip && count <= 0) {
           // None of the walk's blocks is visible to these rows: O = 0, lse = -inf (or the sink).
@@ -943,20 +939,20 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
           int next;
           {
             const int s0 = stage_of(lead);
-            mbar_wait(bar_k_full(s0), phase_of(lead));
+            mbar_wait(bars.k_full(s0), phase_of(lead));
             turn_begin(lead == 0);
             wgmma_fence();
             issue_qk<Tr>(s, q_desc, k_desc(s0));
             wgmma_commit();
             // A skipped step before this one: its V is released in this turn.
-            if (kWgSkip && lead > 0) mbar_wait(bar_v_full(stage_of(lead - 1)), phase_of(lead - 1));
+            if (kWgSkip && lead > 0) mbar_wait(bars.v_full(stage_of(lead - 1)), phase_of(lead - 1));
             turn_end(false);
             // The walk's chunk-range loads (segment ids) run under the GEMM.
             next = next_key_block<kBlockN, kSegments, true>(walk, seg, next_mixed);
             wgmma_wait<0>();
             fence_operand(s);
-            release(bar_k_empty(s0));
-            if (kWgSkip && lead > 0) release(bar_v_empty(stage_of(lead - 1)));
+            release(bars.k_empty(s0));
+            if (kWgSkip && lead > 0) release(bars.v_empty(stage_of(lead - 1)));
             softmax_block(nb * kBlockN, mixed);
             convert_p<kBlockN, T>(s, p);
           }
@@ -968,14 +964,14 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
             mixed = next_mixed;
             const int stage = stage_of(it);
             const int prev = stage_of(it - 1);
-            mbar_wait(bar_k_full(stage), phase_of(it));
+            mbar_wait(bars.k_full(stage), phase_of(it));
             turn_begin(false);
             wgmma_fence();
             issue_qk<Tr>(s, q_desc, k_desc(stage));
             wgmma_commit();
             // O's rescale for block it-1 is done here, hidden under the QK^T just issued.
             rescale_acc();
-            mbar_wait(bar_v_full(prev), phase_of(it - 1));
+            mbar_wait(bars.v_full(prev), phase_of(it - 1));
             wgmma_fence();
             issue_pv<Tr>(o, p, v_desc(prev));
             wgmma_commit();
@@ -984,12 +980,12 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
 
             wgmma_wait<1>();  // S of block it is complete; P V of block it-1 may still run
             fence_operand(s);
-            release(bar_k_empty(stage));
+            release(bars.k_empty(stage));
             softmax_block(nb * kBlockN, mixed);
             wgmma_wait<0>();
             fence_operand(o);
             fence_operand(p);
-            release(bar_v_empty(prev));
+            release(bars.v_empty(prev));
             convert_p<kBlockN, T>(s, p);
           }
 
@@ -997,9 +993,9 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
             const int last = stage_of(it - 1);
             // Skipped steps after this warpgroup's blocks: this turn holds the next step's K.
             const bool more = kWgSkip && it < steps;
-            if (more) mbar_wait(bar_k_full(stage_of(it)), phase_of(it));
+            if (more) mbar_wait(bars.k_full(stage_of(it)), phase_of(it));
             rescale_acc();
-            mbar_wait(bar_v_full(last), phase_of(it - 1));
+            mbar_wait(bars.v_full(last), phase_of(it - 1));
             turn_begin(false);
             wgmma_fence();
             issue_pv<Tr>(o, p, v_desc(last));
@@ -1008,8 +1004,8 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
             wgmma_wait<0>();
             fence_operand(o);
             fence_operand(p);
-            release(bar_v_empty(last));
-            if (more) release(bar_k_empty(stage_of(it)));
+            release(bars.v_empty(last));
+            if (more) release(bars.k_empty(stage_of(it)));
           }
           if constexpr (kWgSkip) {
             for (int i = it + 1; i <= steps; ++i) idle_turn(i);

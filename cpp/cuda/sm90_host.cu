@@ -9,11 +9,28 @@
 namespace jax_flash::cuda::sm90 {
 namespace {
 
-// Compute capability (major * 10 + minor) of each device, read once; 0 = not read yet.
-#ifdef JAX_FLASH_BUILT_SM90A
+// Per-device values read once: compute capability (major * 10 + minor) and SM count; 0 = not
+// read yet.
 constexpr int kMaxDevices = 64;
+#ifdef JAX_FLASH_BUILT_SM90A
 std::atomic<int> g_device_cc[kMaxDevices];
 #endif
+std::atomic<int> g_device_sms[kMaxDevices];
+
+// The current device's entry of `cache`, from read(device) the first time (a read that gives 0,
+// a failure, is not kept; devices past kMaxDevices are read every time). 0 without a device.
+template <class Read>
+int per_device(std::atomic<int> (&cache)[kMaxDevices], Read read) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0) return 0;
+  if (device < kMaxDevices) {
+    const int cached = cache[device].load(std::memory_order_relaxed);
+    if (cached != 0) return cached;
+  }
+  const int value = read(device);
+  if (device < kMaxDevices && value != 0) cache[device].store(value, std::memory_order_relaxed);
+  return value;
+}
 
 // cuTensorMapEncodeTiled through the runtime's driver entry point, so that nothing links libcuda.
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -36,22 +53,25 @@ bool sm90a_kernels_usable() {
 #ifndef JAX_FLASH_BUILT_SM90A
   return false;  // the Hopper kernels' device code was not compiled for sm_90a
 #else
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0) return false;
-  if (device < kMaxDevices) {
-    const int cached = g_device_cc[device].load(std::memory_order_relaxed);
-    if (cached != 0) return cached == 90;
-  }
-  int major = 0;
-  int minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    return false;
-  }
-  const int cc = major * 10 + minor;
-  if (device < kMaxDevices) g_device_cc[device].store(cc, std::memory_order_relaxed);
+  const int cc = per_device(g_device_cc, [](int device) {
+    int major = 0;
+    int minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+      return 0;
+    }
+    return major * 10 + minor;
+  });
   return cc == 90;
 #endif
+}
+
+int sm_count() {
+  return per_device(g_device_sms, [](int device) {
+    int n = 0;
+    return cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess ? n
+                                                                                             : 0;
+  });
 }
 
 bool encode_bshd(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, int64_t batch,

@@ -17,6 +17,9 @@ namespace jax_flash::cuda::sm90 {
 // Without sm_90a code the kernels compile to a trap, so they must not be dispatched.
 bool sm90a_kernels_usable();
 
+// The current device's SM count (read once per device); 0 if it cannot be read.
+int sm_count();
+
 // Checks both Hopper families share: f16/bf16, non-negative batch and lengths, positive head counts
 // with heads_q a multiple of heads_kv, and a finite positive softmax scale.
 template <typename Params>
