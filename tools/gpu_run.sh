@@ -25,6 +25,13 @@ test_env=(
 # the host never dispatches them).
 gencode="${GPU_GENCODE:--gencode=arch=compute_90a,code=sm_90a}"
 status=0
+# pytest under a time limit: SIGINT at the limit, so that pytest still prints its summary of the
+# failures so far (a KILL loses it), and at most TEST_MAXFAIL failures, so that a failure that
+# breaks a worker's GPU context shows its first tracebacks instead of hundreds of cascaded ones.
+pytest_cmd=(
+  timeout -s INT -k 30 "${TEST_TIMEOUT:-420}" python3 -m pytest -q -rfEs --tb=short
+  --maxfail="${TEST_MAXFAIL:-25}" -n "${TEST_WORKERS:-8}"
+)
 
 run_stage() {
   local name=$1
@@ -78,15 +85,13 @@ for stage in "${expanded[@]}"; do
     test | test-all)
       # The suite is dominated by compiling small programs, so it runs in 8 processes sharing the
       # GPU; each takes memory as it needs it instead of XLA's default 75% up front.
-      run_stage test env "${test_env[@]}" timeout "${TEST_TIMEOUT:-420}" \
-        python3 -m pytest -q -rs -n "${TEST_WORKERS:-8}" --durations=10 ${TEST_ARGS:-tests}
+      run_stage test env "${test_env[@]}" "${pytest_cmd[@]}" --durations=10 ${TEST_ARGS:-tests}
       ;;
     test-mma)
       # The mma.sync family, which sm_90 otherwise runs only for the head_dim-256 backward, and
       # the decode call's cp.async pass (what other GPUs run), over the half-precision tests.
       run_stage test-mma env "${test_env[@]}" JAX_FLASH_CUDA_FAMILY=mma JAX_FLASH_DECODE_COPY=cp.async \
-        timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -rs -n "${TEST_WORKERS:-8}" \
-        -k "${TEST_MMA_FILTER:-float16 or bfloat16}" tests
+        "${pytest_cmd[@]}" -k "${TEST_MMA_FILTER:-float16 or bfloat16}" tests
       ;;
     sanitize)
       run_stage memcheck timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 \
@@ -104,8 +109,7 @@ for stage in "${expanded[@]}"; do
       # than SMs), so the grid is capped at 3 CTAs, each running many tiles; then the persistent
       # kernels under racecheck and memcheck the same way.
       run_stage test-persistent env "${test_env[@]}" JAX_FLASH_FWD_PERSISTENT=1 \
-        JAX_FLASH_FWD_PERSISTENT_CTAS=3 \
-        timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -rs -n "${TEST_WORKERS:-8}" tests
+        JAX_FLASH_FWD_PERSISTENT_CTAS=3 "${pytest_cmd[@]}" tests
       JAX_FLASH_FWD_PERSISTENT=1 JAX_FLASH_FWD_PERSISTENT_CTAS=3 run_stage racecheck-persistent \
         timeout 150 \
         compute-sanitizer --tool racecheck --kernel-name kns=fwd_wgmma_persistent \
@@ -114,6 +118,12 @@ for stage in "${expanded[@]}"; do
         timeout 150 \
         compute-sanitizer --tool memcheck --kernel-name kns=fwd_wgmma_persistent \
         --error-exitcode 3 build/gpu/sanitize_cases
+      ;;
+    test-persistent-sm)
+      # The suite as it would run with the persistent form on by default: one CTA per SM, so only
+      # calls with more query tiles than SMs run persistent.
+      run_stage test-persistent-sm env "${test_env[@]}" JAX_FLASH_FWD_PERSISTENT=1 \
+        "${pytest_cmd[@]}" tests
       ;;
     fwd-check) kernel_check fwd-wgmma tools/wgmma_check.cu cpp/cuda/fwd_wgmma.cu ;;
     bwd-check) kernel_check bwd-wgmma tools/bwd_wgmma_check.cu cpp/cuda/bwd_wgmma.cu ;;
