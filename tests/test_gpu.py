@@ -157,11 +157,12 @@ def test_as_accurate_as_cudnn(rng, head_dim, causal, dtype):
     [
         (64, False, None),
         (64, True, None),
+        (128, False, None),
         (128, True, None),
         (64, True, (300, 0)),
         (128, False, (200, 90)),
     ],
-    ids=["d64-full", "d64-causal", "d128-causal", "d64-window", "d128-window"],
+    ids=["d64-full", "d64-causal", "d128-full", "d128-causal", "d64-window", "d128-window"],
 )
 def test_persistent_forward_many_tiles(rng, head_dim, causal, window):
     q, k, v = make_qkv(

@@ -148,6 +148,15 @@ cudaError_t launch(const FwdParams& p, CUtensorMapDataType type, cudaStream_t st
         const cudaError_t err =
             configure_kernel_once<sm90::fwd_wgmma_persistent_kernel<TrP>>(TrP::kSmemBytes);
         if (err != cudaSuccess) return err;
+        if constexpr (TrP::kBlockN != Tr::kBlockN) {
+          // Head_dim 128 without a band: the persistent form's key blocks are smaller.
+          if (!encode_bshd(&tm_k, type, p.k, map_batch, k_rows, p.heads_kv, kHeadDim,
+                           TrP::kBlockN) ||
+              !encode_bshd(&tm_v, type, p.v, map_batch, k_rows, p.heads_kv, kHeadDim,
+                           TrP::kBlockN)) {
+            return cudaErrorInvalidValue;
+          }
+        }
         args.work_counter = p.work_counter;
         if (const cudaError_t e = cudaMemsetAsync(p.work_counter, 0, sizeof(int32_t), stream);
             e != cudaSuccess) {

@@ -106,28 +106,36 @@ enum class FwdMask : int { kNone = 0, kBand = 1, kSegments = 2 };
 // - segment ids: document boundaries leave partly masked tiles at any length, and the producer's
 //   key-block walk needs more registers (FwdWgmmaTraits::kProducerRegs), which the consumers give
 //   up: two consumer warpgroups with 128 keys (64 at head_dim 256) fit what is left.
+// - persistent (fwd_wgmma_persistent_kernel, rows of at most kPersistentMaxKeys keys): 128 keys at
+//   head_dim 128 without a band too, since a second Q buffer does not fit beside two stages of 176.
 struct FwdWgmmaTile {
   int consumer_warpgroups;
   int block_n;
 };
 
-constexpr FwdWgmmaTile fwd_wgmma_tile(int head_dim, FwdMask mask, bool long_keys) {
+constexpr FwdWgmmaTile fwd_wgmma_tile(int head_dim, FwdMask mask, bool long_keys,
+                                      bool persistent = false) {
   if (mask == FwdMask::kSegments) return {2, head_dim <= 128 ? 128 : 64};
   if (head_dim <= 64) return {3, 128};
-  if (head_dim <= 128) return {2, mask == FwdMask::kBand && !long_keys ? 128 : 176};
+  if (head_dim <= 128) {
+    return {2, (mask == FwdMask::kBand && !long_keys) || persistent ? 128 : 176};
+  }
   return {2, 80};
 }
 
 // Query rows that can see at least this many keys count as long_keys.
 inline constexpr int64_t kLongKeys = 4096;
 
-// Kernels that also have a persistent form (fwd_wgmma_persistent_kernel): 128-key blocks without
-// segment ids (head_dim 64, and head_dim 128's band kernels for short rows), where two Q buffers
-// fit beside the K/V ring (head_dim 64: 2 x 24 + 64 KB; 128: 2 x 32 + 128 KB). Not head_dim 64 with
-// softcap, whose 160-register consumers spill 150-320 bytes in the persistent form.
+// Kernels that also have a persistent form (fwd_wgmma_persistent_kernel), which serves short rows
+// only (never the long-keys variants): head_dim 64 and 128 without segment ids, with 128-key
+// blocks, where two Q buffers fit beside the K/V ring (head_dim 64: 2 x 24 + 64 KB; 128: 2 x 32 +
+// 128 KB). At head_dim 128 without a band the one-tile kernel's blocks are 176 keys and the
+// persistent one's 128 (fwd_wgmma_tile). Not head_dim 64 with softcap, whose 160-register
+// consumers spill 150-320 bytes in the persistent form.
 constexpr bool fwd_persistent_tile(int head_dim, FwdMask mask, bool long_keys, bool softcap) {
-  return mask != FwdMask::kSegments && head_dim <= 128 && !(softcap && head_dim == 64) &&
-         fwd_wgmma_tile(head_dim, mask, long_keys).block_n == 128;
+  return mask != FwdMask::kSegments && head_dim <= 128 && !long_keys &&
+         !(softcap && head_dim == 64) &&
+         fwd_wgmma_tile(head_dim, mask, long_keys, true).block_n == 128;
 }
 
 template <typename T, int kHeadDim, FwdMask kMaskKind, bool kSoftcapOn, bool kLongKeys,
@@ -150,7 +158,8 @@ struct FwdWgmmaTraits : Sw128Panels<kHeadDim> {
       kSoftcapOn && std::is_same_v<T, __nv_bfloat16> &&
       (kHeadDim == 128 ? kMaskKind != FwdMask::kSegments
                        : kHeadDim == 64 && kMaskKind == FwdMask::kNone);
-  static constexpr FwdWgmmaTile kTile = fwd_wgmma_tile(kHeadDim, kMaskKind, kLongKeys);
+  static constexpr FwdWgmmaTile kTile =
+      fwd_wgmma_tile(kHeadDim, kMaskKind, kLongKeys, kPersistentOn);
   static constexpr int kConsumerWarpgroups = kTile.consumer_warpgroups;
   static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
   // One wgmma M extent (64 rows) per consumer warpgroup.
