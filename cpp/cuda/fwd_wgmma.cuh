@@ -67,6 +67,16 @@ inline constexpr bool kFwdEarlyFirstLoads = (JAX_FLASH_FWD_EARLY_LOADS & 2) != 0
 #endif
 inline constexpr bool kFwdWgSkip = JAX_FLASH_FWD_WG_SKIP != 0;
 
+// Experiment switch: which head dims' consumer warpgroups take turns to issue their GEMMs
+// (FwdWgmmaTraits::kPingPong), bit 1 for head_dim 64, 2 for 128, 4 for 256. FlashAttention-3's
+// sm_90 forward (its UseSchedulerBarrier) keeps the turns for 16-bit inputs only up to head_dim
+// 128 (at 256 a warpgroup's QK^T is 16 wgmma deep and its P V 256 columns wide), and its
+// head_dim-256 main loop has no named barrier in its SASS. 7 (all on) until the A/B against 3 has
+// run (docs/PERF_LOG.md).
+#ifndef JAX_FLASH_FWD_PINGPONG
+#define JAX_FLASH_FWD_PINGPONG 7
+#endif
+
 // Everything a launch needs besides the four tensor maps, computed on the host.
 struct FwdWgmmaArgs {
   void* o;     // packed calls store the O rows of a tile that straddles a sequence end by hand
@@ -165,8 +175,10 @@ struct FwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // One wgmma M extent (64 rows) per consumer warpgroup.
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;
   static constexpr int kBlockN = kTile.block_n;
-  // Consumer warpgroups take turns to issue their GEMMs (FlashAttention-3 ping-pong).
-  static constexpr bool kPingPong = true;
+  // Consumer warpgroups take turns to issue their GEMMs (FlashAttention-3 ping-pong;
+  // JAX_FLASH_FWD_PINGPONG).
+  static constexpr int kHeadDimBit = kHeadDim == 64 ? 1 : kHeadDim == 128 ? 2 : 4;
+  static constexpr bool kPingPong = (JAX_FLASH_FWD_PINGPONG & kHeadDimBit) != 0;
   // One CTA runs many tiles in turn (fwd_wgmma_persistent_kernel): two Q buffers, used by
   // alternate tiles, so that the next tile's Q loads while this one's key blocks are computed.
   static constexpr bool kPersistent = kPersistentOn;
