@@ -142,14 +142,17 @@ cudaError_t launch(const FwdParams& p, CUtensorMapDataType type, cudaStream_t st
   if constexpr (sm90::fwd_persistent_tile(kHeadDim, kMask, kLongKeys, kSoftcap)) {
     // Dense calls only: a packed call's tiles are decoded from cu_seqlens by a whole warp.
     if (p.work_counter != nullptr && !l.varlen() && visible_keys(p) <= kPersistentMaxKeys) {
+      using TrP = FwdWgmmaTraits<T, kHeadDim, kMask, kSoftcap, kLongKeys, true>;
       const int64_t ctas = persistent_ctas();
-      if (ctas > 0 && args.order.ctas() > ctas) {
-        using TrP = FwdWgmmaTraits<T, kHeadDim, kMask, kSoftcap, kLongKeys, true>;
+      // A kQEarly kernel stages O in the V ring, which a call without keys never fills.
+      const bool keys_ok = !TrP::kQEarly || visible_keys(p) > 0;
+      if (ctas > 0 && keys_ok && args.order.ctas() > ctas) {
         const cudaError_t err =
             configure_kernel_once<sm90::fwd_wgmma_persistent_kernel<TrP>>(TrP::kSmemBytes);
         if (err != cudaSuccess) return err;
         if constexpr (TrP::kBlockN != Tr::kBlockN) {
-          // Head_dim 128 without a band: the persistent form's key blocks are smaller.
+          // Head_dim 128 without a band: the persistent form's key blocks are smaller (unless
+          // JAX_FLASH_FWD_PERSISTENT_176).
           if (!encode_bshd(&tm_k, type, p.k, map_batch, k_rows, p.heads_kv, kHeadDim,
                            TrP::kBlockN) ||
               !encode_bshd(&tm_v, type, p.v, map_batch, k_rows, p.heads_kv, kHeadDim,
