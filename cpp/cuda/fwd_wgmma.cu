@@ -104,20 +104,9 @@ int64_t persistent_ctas() {
 template <typename T, int kHeadDim, FwdMask kMask, bool kSoftcap, bool kLongKeys>
 cudaError_t launch(const FwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
   using Tr = FwdWgmmaTraits<T, kHeadDim, kMask, kSoftcap, kLongKeys>;
+  constexpr bool kHasPersistent = sm90::fwd_persistent_tile(kHeadDim, kMask, kLongKeys, kSoftcap);
   // Segment ids that form documents schedule a row's tiles by its documents.
   const SeqLayout l = with_runs(p.layout, p.mask.segments);
-  // Dense: [batch, seqlen, heads, D] maps. Packed: the [rows, heads, D] views as one sequence.
-  const int64_t map_batch = l.varlen() ? 1 : l.batch;
-  const int64_t q_rows = l.varlen() ? l.total_q : l.seqlen_q;
-  const int64_t k_rows = l.varlen() ? l.total_k : l.seqlen_k;
-  CUtensorMap tm_q, tm_k, tm_v, tm_o;
-  if (!encode_bshd(&tm_q, type, p.q, map_batch, q_rows, p.heads_q, kHeadDim, Tr::kBlockM) ||
-      !encode_bshd(&tm_k, type, p.k, map_batch, k_rows, p.heads_kv, kHeadDim, Tr::kBlockN) ||
-      !encode_bshd(&tm_v, type, p.v, map_batch, k_rows, p.heads_kv, kHeadDim, Tr::kBlockN) ||
-      !encode_bshd(&tm_o, type, p.o, map_batch, q_rows, p.heads_q, kHeadDim,
-                   Tr::kBlockM / Tr::kConsumerWarpgroups)) {
-    return cudaErrorInvalidValue;
-  }
   FwdWgmmaArgs args{};
   args.o = p.o;
   args.lse = static_cast<float*>(p.lse);
@@ -137,39 +126,56 @@ cudaError_t launch(const FwdParams& p, CUtensorMapDataType type, cudaStream_t st
     args.softcap_scale = static_cast<float>(p.softmax_scale / p.mask.softcap);
     args.softcap_log2 = static_cast<float>(p.mask.softcap * kLog2e);
   }
+
+  // The persistent grid's CTAs, or 0 for one CTA per tile. Dense calls only (a packed call's
+  // tiles are decoded from cu_seqlens by a whole warp); its kQEarly form stages O in the V ring,
+  // which a call without keys never fills.
+  int64_t persistent = 0;
+  if constexpr (kHasPersistent) {
+    const int64_t keys = visible_keys(p);
+    constexpr bool kQEarly = FwdWgmmaTraits<T, kHeadDim, kMask, kSoftcap, kLongKeys, true>::kQEarly;
+    if (p.work_counter != nullptr && !l.varlen() && keys <= kPersistentMaxKeys &&
+        (!kQEarly || keys > 0)) {
+      const int64_t ctas = persistent_ctas();
+      if (ctas > 0 && args.order.ctas() > ctas) persistent = ctas;
+    }
+  }
+  // Key blocks of the kernel that runs: the persistent form's may be smaller (head_dim 128
+  // without a band, unless JAX_FLASH_FWD_PERSISTENT_176).
+  constexpr int kPersistentBlockN =
+      kHasPersistent ? sm90::fwd_wgmma_tile(kHeadDim, kMask, kLongKeys, true).block_n : Tr::kBlockN;
+  const int block_n = persistent > 0 ? kPersistentBlockN : Tr::kBlockN;
+
+  // Dense: [batch, seqlen, heads, D] maps. Packed: the [rows, heads, D] views as one sequence.
+  const int64_t map_batch = l.varlen() ? 1 : l.batch;
+  const int64_t q_rows = l.varlen() ? l.total_q : l.seqlen_q;
+  const int64_t k_rows = l.varlen() ? l.total_k : l.seqlen_k;
+  CUtensorMap tm_q, tm_k, tm_v, tm_o;
+  if (!encode_bshd(&tm_q, type, p.q, map_batch, q_rows, p.heads_q, kHeadDim, Tr::kBlockM) ||
+      !encode_bshd(&tm_k, type, p.k, map_batch, k_rows, p.heads_kv, kHeadDim, block_n) ||
+      !encode_bshd(&tm_v, type, p.v, map_batch, k_rows, p.heads_kv, kHeadDim, block_n) ||
+      !encode_bshd(&tm_o, type, p.o, map_batch, q_rows, p.heads_q, kHeadDim,
+                   Tr::kBlockM / Tr::kConsumerWarpgroups)) {
+    return cudaErrorInvalidValue;
+  }
   if (args.order.ctas() == 0) return cudaSuccess;
 
-  if constexpr (sm90::fwd_persistent_tile(kHeadDim, kMask, kLongKeys, kSoftcap)) {
-    // Dense calls only: a packed call's tiles are decoded from cu_seqlens by a whole warp.
-    if (p.work_counter != nullptr && !l.varlen() && visible_keys(p) <= kPersistentMaxKeys) {
+  if constexpr (kHasPersistent) {
+    if (persistent > 0) {
       using TrP = FwdWgmmaTraits<T, kHeadDim, kMask, kSoftcap, kLongKeys, true>;
-      const int64_t ctas = persistent_ctas();
-      // A kQEarly kernel stages O in the V ring, which a call without keys never fills.
-      const bool keys_ok = !TrP::kQEarly || visible_keys(p) > 0;
-      if (ctas > 0 && keys_ok && args.order.ctas() > ctas) {
-        const cudaError_t err =
-            configure_kernel_once<sm90::fwd_wgmma_persistent_kernel<TrP>>(TrP::kSmemBytes);
-        if (err != cudaSuccess) return err;
-        if constexpr (TrP::kBlockN != Tr::kBlockN) {
-          // Head_dim 128 without a band: the persistent form's key blocks are smaller (unless
-          // JAX_FLASH_FWD_PERSISTENT_176).
-          if (!encode_bshd(&tm_k, type, p.k, map_batch, k_rows, p.heads_kv, kHeadDim,
-                           TrP::kBlockN) ||
-              !encode_bshd(&tm_v, type, p.v, map_batch, k_rows, p.heads_kv, kHeadDim,
-                           TrP::kBlockN)) {
-            return cudaErrorInvalidValue;
-          }
-        }
-        args.work_counter = p.work_counter;
-        if (const cudaError_t e = cudaMemsetAsync(p.work_counter, 0, sizeof(int32_t), stream);
-            e != cudaSuccess) {
-          return e;
-        }
-        sm90::fwd_wgmma_persistent_kernel<TrP>
-            <<<static_cast<unsigned>(ctas), TrP::kThreads, TrP::kSmemBytes, stream>>>(
-                args, tm_q, tm_k, tm_v, tm_o);
-        return cudaGetLastError();
+      static_assert(TrP::kBlockM == Tr::kBlockM && TrP::kBlockN == kPersistentBlockN);
+      const cudaError_t err =
+          configure_kernel_once<sm90::fwd_wgmma_persistent_kernel<TrP>>(TrP::kSmemBytes);
+      if (err != cudaSuccess) return err;
+      args.work_counter = p.work_counter;
+      if (const cudaError_t e = cudaMemsetAsync(p.work_counter, 0, sizeof(int32_t), stream);
+          e != cudaSuccess) {
+        return e;
       }
+      sm90::fwd_wgmma_persistent_kernel<TrP>
+          <<<static_cast<unsigned>(persistent), TrP::kThreads, TrP::kSmemBytes, stream>>>(
+              args, tm_q, tm_k, tm_v, tm_o);
+      return cudaGetLastError();
     }
   }
   const auto kernel = sm90::fwd_wgmma_kernel<Tr>;
