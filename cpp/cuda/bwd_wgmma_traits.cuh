@@ -50,11 +50,11 @@ struct BwdWgmmaArgs {
 // The pair's order (BwdWgmmaTraits::kLateP), bit 1 for head_dim 64, bit 2 for head_dim 128:
 // clear, dV issued early (with 128-query pairs the packed f16 factor); set, P kept float32 and dV
 // issued after dS^T. Measured on the H200 (docs/PERF_LOG.md): head_dim 64 +5-6% unmasked and
-// +3-4% causal over the early order, head_dim 128 +2% unmasked but -1 to +1% causal, so only
-// bit 1 is on. Bit 4: head_dim 128's kernels without kMasked only (unbounded bands, no segment
-// ids: the cells that gained), an experiment switch, off by default.
+// +3-4% causal over the early order, head_dim 128 +2% unmasked but -1 to +1% causal, so bit 2
+// is off. Bit 4: head_dim 128's kernels without kMasked only (unbounded bands, no segment ids:
+// the cells that gained; +1.9% / +2.2% on the H200, +2.4% / +1.2% on an H100), on by default.
 #ifndef JAX_FLASH_BWD_LATE_P
-#define JAX_FLASH_BWD_LATE_P 1
+#define JAX_FLASH_BWD_LATE_P 5
 #endif
 
 // Head_dim 256's dQ order (BwdWgmmaTraits::kDqFirst): 0, dV and dK then both dQ halves, each
