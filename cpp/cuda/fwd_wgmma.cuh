@@ -71,10 +71,11 @@ inline constexpr bool kFwdWgSkip = JAX_FLASH_FWD_WG_SKIP != 0;
 // (FwdWgmmaTraits::kPingPong), bit 1 for head_dim 64, 2 for 128, 4 for 256. FlashAttention-3's
 // sm_90 forward (its UseSchedulerBarrier) keeps the turns for 16-bit inputs only up to head_dim
 // 128 (at 256 a warpgroup's QK^T is 16 wgmma deep and its P V 256 columns wide), and its
-// head_dim-256 main loop has no named barrier in its SASS. 7 (all on) until the A/B against 3 has
-// run (docs/PERF_LOG.md).
+// head_dim-256 main loop has no named barrier in its SASS. 3 (head_dim 256 without the turns):
+// on an H100 its forward ran +1-2% at 4k and 16k in two rounds against 7, within 2% either way
+// at 1k and 2k (docs/PERF_LOG.md).
 #ifndef JAX_FLASH_FWD_PINGPONG
-#define JAX_FLASH_FWD_PINGPONG 7
+#define JAX_FLASH_FWD_PINGPONG 3
 #endif
 
 // Experiment switch: the persistent form of head_dim 128 without a mask keeps the one-tile
