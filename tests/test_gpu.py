@@ -147,8 +147,8 @@ def test_as_accurate_as_cudnn(rng, head_dim, causal, dtype):
         )
 
 
-# Calls with more query tiles than the GPU has SMs, where rows see at most 2048 keys: with
-# JAX_FLASH_FWD_PERSISTENT=1 the forward runs its persistent grid (one CTA per SM claiming tiles;
+# Calls with more query tiles than the GPU has SMs, where rows see at most 2048 keys: unless
+# JAX_FLASH_FWD_PERSISTENT=0, the forward runs its persistent grid (one CTA per SM claiming tiles;
 # cpp/cuda/fwd_wgmma.cu), so CTAs run several tiles each, from both Q buffers, with the K/V ring
 # and the warpgroups' turns carried from tile to tile (gpu_run.sh test-persistent runs the whole
 # suite that way on 3 CTAs); without it, one CTA per tile.

@@ -120,8 +120,8 @@ for stage in "${expanded[@]}"; do
         --error-exitcode 3 build/gpu/sanitize_cases
       ;;
     test-persistent-sm)
-      # The suite as it would run with the persistent form on by default: one CTA per SM, so only
-      # calls with more query tiles than SMs run persistent.
+      # The suite with the persistent form on over one CTA per SM (so only calls with more query
+      # tiles than SMs run persistent), whatever the build's default.
       run_stage test-persistent-sm env "${test_env[@]}" JAX_FLASH_FWD_PERSISTENT=1 \
         "${pytest_cmd[@]}" tests
       ;;

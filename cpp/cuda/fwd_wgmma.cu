@@ -78,11 +78,12 @@ int64_t visible_keys(const FwdParams& p) {
 // share of its life: rows that see at most this many keys.
 constexpr int64_t kPersistentMaxKeys = 2048;
 
-// Whether calls the persistent form serves use it when JAX_FLASH_FWD_PERSISTENT is unset. Off
-// until its current form (one Q-empty arrival per consumer thread) has passed racecheck and the
-// GPU suite (docs/PERF_LOG.md, "a persistent forward for short rows").
+// Whether calls the persistent form serves use it when JAX_FLASH_FWD_PERSISTENT is unset. On: the
+// GPU suite passed with it on over one CTA per SM and over 3 CTAs, racecheck and memcheck are
+// clean, and on an H100 every cell it serves ran as fast or faster (docs/PERF_LOG.md, "the
+// persistent forward on by default").
 #ifndef JAX_FLASH_FWD_PERSISTENT_DEFAULT
-#define JAX_FLASH_FWD_PERSISTENT_DEFAULT 0
+#define JAX_FLASH_FWD_PERSISTENT_DEFAULT 1
 #endif
 
 // CTAs of a persistent grid on the current device: its SM count (read once per device), capped by
