@@ -67,6 +67,17 @@ inline constexpr bool kFwdEarlyFirstLoads = (JAX_FLASH_FWD_EARLY_LOADS & 2) != 0
 #endif
 inline constexpr bool kFwdWgSkip = JAX_FLASH_FWD_WG_SKIP != 0;
 
+// Experiment switch: the 192-row query tiles of the banded head_dim-64 kernels (FwdWgmmaTraits::
+// kAlignEnd) end at the sequence's last row instead of starting at its first, so that the tile
+// left partly empty (1024 = 5 x 192 + 64) is the first one, whose rows see the fewest keys,
+// rather than the last, whose one working warpgroup walks every key block with no other to
+// overlap its softmax. A dense sequence's first tile then starts up to 128 rows (whole
+// warpgroups) before row 0: Q's load reads zeros there, and those warpgroups only keep the
+// barrier protocol, as a tile's warpgroups past the end do. 0 (off) until measured.
+#ifndef JAX_FLASH_FWD_ALIGN_END
+#define JAX_FLASH_FWD_ALIGN_END 0
+#endif
+
 // Experiment switch: which head dims' consumer warpgroups take turns to issue their GEMMs
 // (FwdWgmmaTraits::kPingPong), bit 1 for head_dim 64, 2 for 128, 4 for 256. FlashAttention-3's
 // sm_90 forward (its UseSchedulerBarrier) keeps the turns for 16-bit inputs only up to head_dim
@@ -200,6 +211,10 @@ struct FwdWgmmaTraits : Sw128Panels<kHeadDim> {
   static constexpr bool kQEarly = kPersistentOn && kTile.block_n == 176;
   static_assert(!kQEarly || kMaskKind == FwdMask::kNone, "O over V: every tile has all blocks");
   static constexpr int kQBuffers = kPersistent && !kQEarly ? 2 : 1;  // a power of 2
+  // Query tiles aligned to the sequence's end (JAX_FLASH_FWD_ALIGN_END): banded kernels with
+  // 192-row tiles, whose tiles do not divide power-of-two lengths; dense calls only.
+  static constexpr bool kAlignEnd =
+      JAX_FLASH_FWD_ALIGN_END != 0 && kBand && !kSegments && kConsumerWarpgroups == 3;
 
   // Registers: the producer needs only addresses and loop counters (and, with segment ids, its
   // key-block walk's ballots), the consumers the accumulators (O: kD / 2, S: kBlockN / 2,
@@ -631,12 +646,18 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
   const bool no_rows = tile.empty(kBlockM, false);
   const int64_t len_q = no_rows ? 0 : span.len_q;
   const int64_t len_k = span.len_k;
-  const int m0 = no_rows ? 0 : static_cast<int>(tile.block * kBlockM);
+  // kAlignEnd: a dense sequence's tiles start `shift` rows (whole warpgroups) before row 0, so
+  // that its last tile ends at its last row or within the last warpgroup.
+  int shift = 0;
+  if constexpr (Tr::kAlignEnd) {
+    if (!varlen) shift = static_cast<int>((kBlockM - len_q % kBlockM) % kBlockM) / 64 * 64;
+  }
+  const int m0 = no_rows ? 0 : static_cast<int>(tile.block * kBlockM) - shift;
   const int64_t m1 = m0 + kBlockM < len_q ? m0 + kBlockM : len_q;
   // An unbounded kernel uses the compile-time unbounded band: the same policy, with constants the
   // compiler can fold.
   const SeqMask mask = (kBand ? args.band : Band{}).for_seq(len_q, len_k);
-  const int64_t key_lo = mask.key_begin(m0);
+  const int64_t key_lo = mask.key_begin(Tr::kAlignEnd && m0 < 0 ? 0 : m0);
   const int64_t key_hi = mask.key_end(m1);
   const int first_block = static_cast<int>(key_lo / kBlockN);
   const int last_block =
@@ -809,10 +830,10 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
     const int r0 = m0 + cw * 64;
     const int64_t r1 = r0 + 64 < len_q ? r0 + 64 : len_q;
     const int row = r0 + warp * 16 + g;
-    // A warpgroup whose 64 rows all lie past the sequence (the tail of its last query tile) keeps
-    // the barrier protocol (waits, releases, turns) so the others are not blocked, but issues no
-    // GEMMs and computes nothing.
-    const bool active = r0 < len_q;
+    // A warpgroup whose 64 rows all lie past the sequence (the tail of its last query tile), or
+    // before it (kAlignEnd's first tile), keeps the barrier protocol (waits, releases, turns) so
+    // the others are not blocked, but issues no GEMMs and computes nothing.
+    const bool active = r0 < len_q && (!Tr::kAlignEnd || r0 >= 0);
 
     float o[kD / 2];
 #pragma unroll
