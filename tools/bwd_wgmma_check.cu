@@ -5,10 +5,12 @@
 //   nvcc -std=c++17 -O3 -I cpp -gencode=arch=compute_90a,code=sm_90a -DJAX_FLASH_BUILT_SM90A=1 \
 //       tools/bwd_wgmma_check.cu \
 //       cpp/cuda/bwd_wgmma.cu cpp/cuda/sm90_host.cu -o bwd_wgmma_check
-// Run: ./bwd_wgmma_check [--quick | --det | --det-check | --time-only | --order]
+// Run: ./bwd_wgmma_check [--quick | --det | --det-check | --time-only | --order | --overheads]
 //   --quick: correctness only, no timing; --det: only the deterministic cases and timings;
 //   --det-check: the deterministic cases without timings (for compute-sanitizer);
-//   --order: timing of the cells a launch order or the segment-id walk moves.
+//   --order: timing of the cells a launch order or the segment-id walk moves;
+//   --overheads: the --time-only cells, each also split into what the call spends besides the
+//   main kernel: zeroing dq_accum and converting it to dQ, each timed alone on the same buffers.
 //
 // Part 1 builds lse and delta = rowsum(dO * O) with a naive float32 forward on the GPU, then
 // compares dQ, dK, dV of bwd_wgmma (bf16) against a naive float32 backward (one thread per query
@@ -53,6 +55,7 @@
 
 #include "common/params.h"
 #include "cuda/bwd_wgmma.h"
+#include "cuda/dq_convert.cuh"
 #include "cuda_check.h"
 
 namespace {
@@ -299,6 +302,29 @@ std::vector<int> segment_ranges(const std::vector<int>& ids, int batch, int len,
                        jax_flash::kSegmentRecord);
   jax_flash::build_segment_records(ids.data(), batch, len, suffix_reach, out.data());
   return out;
+}
+
+// --overheads: time_case also times the call's zeroing and conversion passes.
+bool g_overheads = false;
+
+// Median over 10 rounds of the time of one call of `f` (10 calls a round), in ms.
+template <class F>
+double median_ms(cudaEvent_t start, cudaEvent_t stop, const F& f) {
+  constexpr int kCalls = 10;
+  f();
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<float> ms;
+  for (int rep = 0; rep < 10; ++rep) {
+    CHECK_CUDA(cudaEventRecord(start));
+    for (int i = 0; i < kCalls; ++i) f();
+    CHECK_CUDA(cudaEventRecord(stop));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float t = 0.f;
+    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t / kCalls);
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
 }
 
 // Everything one case needs on the device, and which rows the comparison includes.
@@ -776,6 +802,24 @@ double time_case(const char* label, const Case& c) {
   const double flops = 2.5 * 4.0 * c.hq * c.d * pairs;
   std::printf("time %-24s H=%d D=%d bf16: %.3f ms, %.1f TFLOP/s on %.3g visible pairs\n", label,
               c.hq, c.d, t * 1e3, flops / t * 1e-12, pairs);
+  if (g_overheads) {
+    // The call's two passes besides the main kernel, each alone, as bwd_wgmma issues them
+    // (dq_convert.cuh; the natural column order: the permuted one reads the same bytes).
+    const int64_t elems = rows_q(c) * c.hq * c.d;
+    const double zero_ms = median_ms(start, stop, [&] {
+      CHECK_CUDA(jax_flash::cuda::zero_dq_accum(r.dq_accum, elems, nullptr));
+    });
+    const double convert_ms = median_ms(start, stop, [&] {
+      CHECK_CUDA(
+          jax_flash::cuda::convert_dq<__nv_bfloat16>(r.dq_accum, r.dq, elems, r.scale, nullptr));
+    });
+    const double gb = elems * 4.0 * 1e-9;
+    std::printf(
+        "     %-24s zero dq_accum %.3f ms (%.0f GB/s), convert %.3f ms (%.0f GB/s), together "
+        "%.1f%% of the call\n",
+        "", zero_ms, gb / (zero_ms * 1e-3), convert_ms, 1.5 * gb / (convert_ms * 1e-3),
+        100.0 * (zero_ms + convert_ms) / (t * 1e3));
+  }
   CHECK_CUDA(cudaEventDestroy(start));
   CHECK_CUDA(cudaEventDestroy(stop));
   free_run(r);
@@ -865,7 +909,8 @@ int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   // --time-only [D]: only the timed cases (for a profiler, which then sees no correctness
   // launches), of head_dim D if given.
-  const bool time_only = argc > 1 && std::strcmp(argv[1], "--time-only") == 0;
+  g_overheads = argc > 1 && std::strcmp(argv[1], "--overheads") == 0;
+  const bool time_only = g_overheads || (argc > 1 && std::strcmp(argv[1], "--time-only") == 0);
   // --det: only the deterministic order's correctness cases and timings.
   const bool det_only = argc > 1 && std::strcmp(argv[1], "--det") == 0;
   // --det-check: the same correctness cases without the timings (small enough for racecheck).
