@@ -67,13 +67,14 @@ inline constexpr bool kFwdEarlyFirstLoads = (JAX_FLASH_FWD_EARLY_LOADS & 2) != 0
 #endif
 inline constexpr bool kFwdWgSkip = JAX_FLASH_FWD_WG_SKIP != 0;
 
-// Experiment switch: the 192-row query tiles of the banded head_dim-64 kernels (FwdWgmmaTraits::
-// kAlignEnd) end at the sequence's last row instead of starting at its first, so that the tile
-// left partly empty (1024 = 5 x 192 + 64) is the first one, whose rows see the fewest keys,
-// rather than the last, whose one working warpgroup walks every key block with no other to
-// overlap its softmax. A dense sequence's first tile then starts up to 128 rows (whole
-// warpgroups) before row 0: Q's load reads zeros there, and those warpgroups only keep the
-// barrier protocol, as a tile's warpgroups past the end do. 0 (off) until measured.
+// Experiment switch: the query tiles of the banded kernels (FwdWgmmaTraits::kAlignEnd) end at the
+// sequence's last row instead of starting at its first, so that the tile left partly empty (at
+// head_dim 64, 1024 = 5 x 192 + 64; at 128 and 256, lengths of 128k + 1 to 128k + 64) is the
+// first one, whose rows see the fewest keys, rather than the last, whose working warpgroups walk
+// every key block with fewer others to overlap their softmax with. A dense sequence's first tile
+// then starts whole warpgroups (up to 128 rows) before row 0: Q's load reads zeros there, and
+// those warpgroups only keep the barrier protocol, as a tile's warpgroups past the end do. 0
+// (off) until measured.
 #ifndef JAX_FLASH_FWD_ALIGN_END
 #define JAX_FLASH_FWD_ALIGN_END 0
 #endif
@@ -211,10 +212,9 @@ struct FwdWgmmaTraits : Sw128Panels<kHeadDim> {
   static constexpr bool kQEarly = kPersistentOn && kTile.block_n == 176;
   static_assert(!kQEarly || kMaskKind == FwdMask::kNone, "O over V: every tile has all blocks");
   static constexpr int kQBuffers = kPersistent && !kQEarly ? 2 : 1;  // a power of 2
-  // Query tiles aligned to the sequence's end (JAX_FLASH_FWD_ALIGN_END): banded kernels with
-  // 192-row tiles, whose tiles do not divide power-of-two lengths; dense calls only.
-  static constexpr bool kAlignEnd =
-      JAX_FLASH_FWD_ALIGN_END != 0 && kBand && !kSegments && kConsumerWarpgroups == 3;
+  // Query tiles aligned to the sequence's end (JAX_FLASH_FWD_ALIGN_END): banded kernels without
+  // segment ids (whose documents have tiles of their own), dense calls only.
+  static constexpr bool kAlignEnd = JAX_FLASH_FWD_ALIGN_END != 0 && kBand && !kSegments;
 
   // Registers: the producer needs only addresses and loop counters (and, with segment ids, its
   // key-block walk's ballots), the consumers the accumulators (O: kD / 2, S: kBlockN / 2,
