@@ -129,20 +129,16 @@ cudaError_t launch(const FwdParams& p, CUtensorMapDataType type, cudaStream_t st
   }
 
   // The persistent grid's CTAs, or 0 for one CTA per tile. Dense calls only (a packed call's
-  // tiles are decoded from cu_seqlens by a whole warp); its kQEarly form stages O in the V ring,
-  // which a call without keys never fills.
+  // tiles are decoded from cu_seqlens by a whole warp).
   int64_t persistent = 0;
   if constexpr (kHasPersistent) {
-    const int64_t keys = visible_keys(p);
-    constexpr bool kQEarly = FwdWgmmaTraits<T, kHeadDim, kMask, kSoftcap, kLongKeys, true>::kQEarly;
-    if (p.work_counter != nullptr && !l.varlen() && keys <= kPersistentMaxKeys &&
-        (!kQEarly || keys > 0)) {
+    if (p.work_counter != nullptr && !l.varlen() && visible_keys(p) <= kPersistentMaxKeys) {
       const int64_t ctas = persistent_ctas();
       if (ctas > 0 && args.order.ctas() > ctas) persistent = ctas;
     }
   }
   // Key blocks of the kernel that runs: the persistent form's may be smaller (head_dim 128
-  // without a band, unless JAX_FLASH_FWD_PERSISTENT_176).
+  // without a band).
   constexpr int kPersistentBlockN =
       kHasPersistent ? sm90::fwd_wgmma_tile(kHeadDim, kMask, kLongKeys, true).block_n : Tr::kBlockN;
   const int block_n = persistent > 0 ? kPersistentBlockN : Tr::kBlockN;

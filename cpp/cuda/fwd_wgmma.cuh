@@ -90,16 +90,6 @@ inline constexpr bool kFwdWgSkip = JAX_FLASH_FWD_WG_SKIP != 0;
 #define JAX_FLASH_FWD_PINGPONG 3
 #endif
 
-// Experiment switch: the persistent form of head_dim 128 without a mask keeps the one-tile
-// kernel's 176-key blocks (1) instead of taking 128 (0). Two stages of 176 keys leave room for one
-// Q buffer only (FwdWgmmaTraits::kQEarly): the consumers release it once their last QK^T is done,
-// and stage O in the V half of the tile's last K/V stage, whose next V load waits for the O stores
-// (FwdBarriers::o_free), as FlashAttention-3's persistent forward lays O over its V buffer.
-#ifndef JAX_FLASH_FWD_PERSISTENT_176
-#define JAX_FLASH_FWD_PERSISTENT_176 0
-#endif
-inline constexpr bool kFwdPersistent176 = JAX_FLASH_FWD_PERSISTENT_176 != 0;
-
 // Everything a launch needs besides the four tensor maps, computed on the host.
 struct FwdWgmmaArgs {
   void* o;     // packed calls store the O rows of a tile that straddles a sequence end by hand
@@ -151,8 +141,7 @@ constexpr FwdWgmmaTile fwd_wgmma_tile(int head_dim, FwdMask mask, bool long_keys
   if (mask == FwdMask::kSegments) return {2, head_dim <= 128 ? 128 : 64};
   if (head_dim <= 64) return {3, 128};
   if (head_dim <= 128) {
-    const bool persistent_128 = persistent && !(kFwdPersistent176 && mask == FwdMask::kNone);
-    return {2, (mask == FwdMask::kBand && !long_keys) || persistent_128 ? 128 : 176};
+    return {2, (mask == FwdMask::kBand && !long_keys) || persistent ? 128 : 176};
   }
   return {2, 80};
 }
@@ -161,16 +150,16 @@ constexpr FwdWgmmaTile fwd_wgmma_tile(int head_dim, FwdMask mask, bool long_keys
 inline constexpr int64_t kLongKeys = 4096;
 
 // Kernels that also have a persistent form (fwd_wgmma_persistent_kernel), which serves short rows
-// only (never the long-keys variants): head_dim 64 and 128 without segment ids. With 128-key
-// blocks two Q buffers fit beside the K/V ring (head_dim 64: 2 x 24 + 64 KB; 128: 2 x 32 + 128
-// KB); at head_dim 128 without a band the one-tile kernel's blocks are 176 keys and the persistent
-// one's 128, or 176 with one Q buffer (JAX_FLASH_FWD_PERSISTENT_176, FwdWgmmaTraits::kQEarly). Not
-// head_dim 64 with softcap, whose 160-register consumers spill 150-320 bytes in the persistent
-// form.
+// only (never the long-keys variants): head_dim 64 and 128 without segment ids, with 128-key
+// blocks, where two Q buffers fit beside the K/V ring (head_dim 64: 2 x 24 + 64 KB; 128: 2 x 32 +
+// 128 KB). At head_dim 128 without a band the one-tile kernel's blocks are 176 keys and the
+// persistent one's 128 (fwd_wgmma_tile; a form that kept 176 with one Q buffer and O staged over
+// V measured no faster than the one-tile kernel, docs/PERF_LOG.md). Not head_dim 64 with softcap,
+// whose 160-register consumers spill 150-320 bytes in the persistent form.
 constexpr bool fwd_persistent_tile(int head_dim, FwdMask mask, bool long_keys, bool softcap) {
-  const int block_n = fwd_wgmma_tile(head_dim, mask, long_keys, true).block_n;
   return mask != FwdMask::kSegments && head_dim <= 128 && !long_keys &&
-         !(softcap && head_dim == 64) && (block_n == 128 || block_n == 176);
+         !(softcap && head_dim == 64) &&
+         fwd_wgmma_tile(head_dim, mask, long_keys, true).block_n == 128;
 }
 
 template <typename T, int kHeadDim, FwdMask kMaskKind, bool kSoftcapOn, bool kLongKeys,
@@ -207,11 +196,7 @@ struct FwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // One CTA runs many tiles in turn (fwd_wgmma_persistent_kernel): two Q buffers, used by
   // alternate tiles, so that the next tile's Q loads while this one's key blocks are computed.
   static constexpr bool kPersistent = kPersistentOn;
-  // 176-key blocks (JAX_FLASH_FWD_PERSISTENT_176) leave room for one Q buffer: released after the
-  // tile's last QK^T, with O staged in the last K/V stage's V half instead of in Q.
-  static constexpr bool kQEarly = kPersistentOn && kTile.block_n == 176;
-  static_assert(!kQEarly || kMaskKind == FwdMask::kNone, "O over V: every tile has all blocks");
-  static constexpr int kQBuffers = kPersistent && !kQEarly ? 2 : 1;  // a power of 2
+  static constexpr int kQBuffers = kPersistent ? 2 : 1;
   // Query tiles aligned to the sequence's end (JAX_FLASH_FWD_ALIGN_END): banded kernels without
   // segment ids (whose documents have tiles of their own), dense calls only.
   static constexpr bool kAlignEnd = JAX_FLASH_FWD_ALIGN_END != 0 && kBand && !kSegments;
@@ -568,12 +553,6 @@ struct FwdBarriers {
   __device__ __forceinline__ uint32_t q_empty(int buf) const {
     return first + 8u * (3 + 4 * Tr::kStages + buf);
   }
-  // kQEarly (one Q buffer, whose second empty barrier's slot this takes): both consumer
-  // warpgroups' O stores of a tile have read the V half of its last stage, which held O.
-  __device__ __forceinline__ uint32_t o_free() const {
-    static_assert(Tr::kQEarly);
-    return first + 8u * (4 + 4 * Tr::kStages);
-  }
 
   // By one thread, before the CTA's first barrier.
   __device__ __forceinline__ void init() const {
@@ -586,10 +565,7 @@ struct FwdBarriers {
       mbar_init(v_empty(s), 4 * Tr::kConsumerWarpgroups);
     }
     mbar_init(v_tail(), 1);
-    if constexpr (Tr::kQEarly) {
-      mbar_init(q_empty(0), 128 * Tr::kConsumerWarpgroups);
-      mbar_init(o_free(), Tr::kConsumerWarpgroups);
-    } else if constexpr (Tr::kPersistent) {
+    if constexpr (Tr::kPersistent) {
       mbar_init(q_full(1), 1);
       mbar_init(q_empty(0), 128 * Tr::kConsumerWarpgroups);
       mbar_init(q_empty(1), 128 * Tr::kConsumerWarpgroups);
@@ -685,10 +661,10 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
   const uint32_t raw_addr = tc::smem_addr(smem_raw);
   const uint32_t base = (raw_addr + 1023u) & ~1023u;
   uint8_t* const smem = smem_raw + (base - raw_addr);
-  // A persistent CTA's tile uses Q buffer cur.tile % kQBuffers and continues the K/V ring's
-  // stage sequence at cur.ring; a CTA of one tile starts both at 0.
-  const int q_buf = Tr::kPersistent ? cur.tile & (Tr::kQBuffers - 1) : 0;
-  const uint32_t q_phase = Tr::kPersistent ? (cur.tile >> (Tr::kQBuffers - 1)) & 1 : 0;
+  // A persistent CTA's tile uses Q buffer cur.tile % 2 and continues the K/V ring's stage
+  // sequence at cur.ring; a CTA of one tile starts both at 0.
+  const int q_buf = Tr::kPersistent ? cur.tile & 1 : 0;
+  const uint32_t q_phase = Tr::kPersistent ? (cur.tile >> 1) & 1 : 0;
   const int ring = Tr::kPersistent ? cur.ring : 0;
   const auto stage_of = [&](int i) { return (ring + i) % kStages; };
   const auto phase_of = [&](int i) { return static_cast<uint32_t>(((ring + i) / kStages) & 1); };
@@ -792,12 +768,6 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
           const bool straddles = varlen && n0 + int64_t{kBlockN} > len_k;
           const uint32_t v_bar = straddles ? bar_v_tail : bars.v_full(stage);
           if (leader) {
-            // kQEarly: the tile before staged its O in a V half of the ring; its stores must have
-            // read it before this tile's V loads (the first of which the consumers need only after
-            // that tile's epilogue, this tile's first QK^T and its softmax).
-            if constexpr (Tr::kQEarly) {
-              if (it == 0 && cur.tile > 0) mbar_wait(bars.o_free(), (cur.tile - 1) & 1);
-            }
             if (ring + it >= kStages) mbar_wait(bars.v_empty(stage), empty_parity);
             mbar_arrive_expect_tx(v_bar, Tr::kKVStageBytes);
 #pragma unroll
@@ -930,7 +900,6 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
         turn_begin(false);
         turn_end(true);
         release(bars.v_empty(stage_of(it - 1)));
-        if constexpr (Tr::kQEarly) mbar_arrive(bars.q_empty(q_buf));
       } else {
         // Scores of one block: soft-capping, element masks where the block is not entirely visible
         // to this warpgroup's rows (or its segment ids are mixed), then the online softmax.
@@ -1064,9 +1033,6 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
             convert_p<kBlockN, T>(s, p);
           }
 
-          // kQEarly: every QK^T of this warpgroup is done (the loop waited for each): the
-          // producer may load the next tile's Q while the last P V and the epilogue run.
-          if constexpr (Tr::kQEarly) mbar_arrive(bars.q_empty(q_buf));
           {
             const int last = stage_of(it - 1);
             // Skipped steps after this warpgroup's blocks: this turn holds the next step's K.
@@ -1108,25 +1074,8 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
 
       // O goes through this warpgroup's own 64 rows of the Q tile (no longer read by any wgmma)
       // in the same swizzled panel layout. Row index inside the warpgroup is 16 * warp + g (+8);
-      // both have (row % 8) == g, so chunk c of either row sits at c ^ g. kQEarly (Q already
-      // holds the next tile's): the V half of the tile's last stage instead, each warpgroup's
-      // panels of 64 rows one after the other, once every consumer warp's last P V has read it
-      // (that stage's V-empty phase). The host runs kQEarly kernels only on calls with keys, so
-      // every tile has key blocks; the guard keeps a tile without any off the barrier.
-      constexpr int kOPanelStride = Tr::kQEarly ? 64 * Tr::kRowBytes : Tr::kQPanelBytes;
-      uint8_t* o_stage = smem + Tr::kQOffset + q_buf * Tr::kQBytes + cw * 64 * Tr::kRowBytes;
-      // Panel pnl of the staged O (shared address).
-      const auto o_panel = [&](int pnl) {
-        return static_cast<uint32_t>(q_smem + pnl * Tr::kQPanelBytes + cw * 64 * Tr::kRowBytes);
-      };
-      uint32_t o_smem = 0;
-      if constexpr (Tr::kQEarly) {
-        const int blocks = last_block - first_block;
-        const int o_stage_index = stage_of(blocks > 0 ? blocks - 1 : 0);
-        if (blocks > 0) mbar_wait(bars.v_empty(o_stage_index), phase_of(blocks - 1));
-        o_smem = v_smem + o_stage_index * Tr::kKVStageBytes + cw * Tr::kPanels * kOPanelStride;
-        o_stage = smem + (o_smem - base);
-      }
+      // both have (row % 8) == g, so chunk c of either row sits at c ^ g.
+      uint8_t* const o_stage = smem + Tr::kQOffset + q_buf * Tr::kQBytes + cw * 64 * Tr::kRowBytes;
 #pragma unroll
       for (int i = 0; i < kD / 8; ++i) {
         const int panel = i / 8;
@@ -1136,8 +1085,8 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
           const int row_in_wg = warp * 16 + g + 8 * r;
           const uint32_t packed =
               tc::pack2<T>(o[4 * i + 2 * r] * inv_l[r], o[4 * i + 2 * r + 1] * inv_l[r]);
-          *reinterpret_cast<uint32_t*>(o_stage + panel * kOPanelStride + row_in_wg * Tr::kRowBytes +
-                                       chunk * 16 + t * 4) = packed;
+          *reinterpret_cast<uint32_t*>(o_stage + panel * Tr::kQPanelBytes +
+                                       row_in_wg * Tr::kRowBytes + chunk * 16 + t * 4) = packed;
         }
       }
       fence_proxy_async_smem();
@@ -1147,7 +1096,7 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
         if (tid == 0) {
 #pragma unroll
           for (int pnl = 0; pnl < Tr::kPanels; ++pnl) {
-            tma_store_4d(&tm_o, Tr::kQEarly ? o_smem + pnl * kOPanelStride : o_panel(pnl),
+            tma_store_4d(&tm_o, q_smem + pnl * Tr::kQPanelBytes + cw * 64 * Tr::kRowBytes,
                          pnl * Tr::kPanelCols, head, q_row0 + cw * 64, map_batch);
           }
           tma_store_commit_and_wait_read();
@@ -1162,8 +1111,9 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
         for (int idx = tid; idx < rows * kChunks; idx += 128) {
           const int rr = idx / kChunks;
           const int c = idx % kChunks;
-          const uint4 v = *reinterpret_cast<const uint4*>(
-              o_stage + (c / 8) * kOPanelStride + rr * Tr::kRowBytes + (((c % 8) ^ (rr % 8)) * 16));
+          const uint4 v =
+              *reinterpret_cast<const uint4*>(o_stage + (c / 8) * Tr::kQPanelBytes +
+                                              rr * Tr::kRowBytes + (((c % 8) ^ (rr % 8)) * 16));
           *reinterpret_cast<uint4*>(o_rows + rr * row_stride + c * 8) = v;
         }
       }
@@ -1177,15 +1127,8 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
     }
     // The O stores above have read the Q buffer (their issuer, thread 0, waited for that before
     // its arrival), no wgmma reads it any more, and this thread has read its tile index: the
-    // producer may publish a later tile in the buffer and load that tile's Q into it. kQEarly:
-    // Q was released after the last QK^T (a tile without key blocks releases it here); what the
-    // stores have read is the V half that held O.
-    if constexpr (Tr::kQEarly) {
-      if (first_block >= last_block) mbar_arrive(bars.q_empty(q_buf));
-      if (tid == 0) mbar_arrive(bars.o_free());
-    } else if constexpr (Tr::kPersistent) {
-      mbar_arrive(bars.q_empty(q_buf));
-    }
+    // producer may publish a later tile in the buffer and load that tile's Q into it.
+    if constexpr (Tr::kPersistent) mbar_arrive(bars.q_empty(q_buf));
   }
   return first_block < last_block ? last_block - first_block : 0;
 }
@@ -1280,17 +1223,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const int lane = static_cast<int>(threadIdx.x);
       int tile = static_cast<int>(blockIdx.x);
       for (;; ++cur.tile) {
-        const int buf = cur.tile & (Tr::kQBuffers - 1);
+        const int buf = cur.tile & 1;
         // The next tile is claimed before this one's loads, so the atomic's latency hides there.
         int next = 0;
         if (lane == 0 && tile < tiles) {
           next = atomicAdd(args.work_counter, 1) + static_cast<int>(gridDim.x);
         }
         // The buffer's slot and Q are free once every consumer thread has finished the tile that
-        // used them before (its (cur.tile / kQBuffers)-th use, phase parity of the use before).
-        if (cur.tile >= Tr::kQBuffers) {
-          mbar_wait(bars.q_empty(buf), ((cur.tile >> (Tr::kQBuffers - 1)) + 1) & 1);
-        }
+        // used them before (its (cur.tile / 2)-th use, phase parity (cur.tile / 2 - 1) % 2).
+        if (cur.tile >= 2) mbar_wait(bars.q_empty(buf), ((cur.tile >> 1) + 1) & 1);
         const bool done = tile >= tiles;
         if (lane == 0) {
           slots[buf] = done ? -1 : tile;
@@ -1307,8 +1248,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   } else {
     setmaxnreg_inc<Tr::kConsumerRegs>();
     for (;; ++cur.tile) {
-      const int buf = cur.tile & (Tr::kQBuffers - 1);
-      mbar_wait(bars.q_full(buf), (cur.tile >> (Tr::kQBuffers - 1)) & 1);
+      const int buf = cur.tile & 1;
+      mbar_wait(bars.q_full(buf), (cur.tile >> 1) & 1);
       const int tile = warp_uniform(slots[buf]);
       if (tile < 0) break;
       cur.ring += fwd_wgmma_tile<Tr, false, FwdPart::kConsumer>(args, work_of(tile), tm_q, tm_k,
