@@ -11,6 +11,12 @@ A rate counted on visible pairs can at most reach the share times the rate of a 
 scores, before the per-tile costs of masking and start-up. Which keys a row sees comes from
 jax_flash.reference.band_mask (jax_flash installed).
 
+It also prints a turn model of the tiles' time, for tiles that start at row 0 and for tiles that
+end at the last row (JAX_FLASH_FWD_ALIGN_END: the first tile starts whole warpgroups before row
+0): a tile costs one fixed unit, plus, for each key block that any of its warpgroups computes,
+max(n * g, g + s) for the n warpgroups that compute it (warpgroup block skipping), g being one
+warpgroup's two GEMMs on a block and s its softmax: alone, a warpgroup cannot overlap the two.
+
 Usage: python tools/tile_coverage.py --seqlen 1024 --causal --block-m 192 --block-n 128
        python tools/tile_coverage.py --seqlen 16384 --causal --left 1023 --block-m 128 --block-n 128
 """
@@ -64,6 +70,35 @@ def coverage(
     return {name: visible / work for name, work in computed.items()}
 
 
+def turn_model(
+    seqlen: int,
+    block_m: int,
+    block_n: int,
+    left: int | None,
+    causal: bool,
+    align_end: bool,
+    softmax: float = 1.0,
+) -> float:
+    """The tiles' time in units of one warpgroup's two GEMMs on a block (module docstring)."""
+    lo, hi = _row_ranges(seqlen, left, causal)
+    shift = 0
+    if align_end:
+        shift = (block_m - seqlen % block_m) % block_m // WARPGROUP_ROWS * WARPGROUP_ROWS
+    total = 0.0
+    for m0 in range(-shift, seqlen, block_m):
+        blocks: dict[int, int] = {}
+        for w0 in range(max(m0, 0), min(seqlen, m0 + block_m), WARPGROUP_ROWS):
+            w1 = min(seqlen, m0 + block_m, w0 + WARPGROUP_ROWS)
+            if w1 <= w0 or int(hi[w0:w1].max()) <= int(lo[w0:w1].min()):
+                continue
+            first = int(lo[w0:w1].min()) // block_n
+            last = (int(hi[w0:w1].max()) + block_n - 1) // block_n
+            for b in range(first, last):
+                blocks[b] = blocks.get(b, 0) + 1
+        total += 1.0 + sum(max(n, 1.0 + softmax) for n in blocks.values())
+    return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqlen", type=int, required=True)
@@ -78,6 +113,11 @@ def main() -> None:
         args.seqlen, args.block_m, args.block_n, args.left, args.causal
     ).items():
         print(f"{name:18s} {share:.4f} of computed scores visible")
+    plain, aligned = (
+        turn_model(args.seqlen, args.block_m, args.block_n, args.left, args.causal, a)
+        for a in (False, True)
+    )
+    print(f"turn model: tiles from row 0 {plain:.0f}, ending at the last row {aligned:.0f}")
 
 
 if __name__ == "__main__":
