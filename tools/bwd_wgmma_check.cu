@@ -307,7 +307,8 @@ std::vector<int> segment_ranges(const std::vector<int>& ids, int batch, int len,
 // --overheads: time_case also times the call's zeroing and conversion passes.
 bool g_overheads = false;
 
-// Median over 10 rounds of the time of one call of `f` (10 calls a round), in ms.
+// Median over 10 rounds of the time of one call of `f` (10 calls a round, after one more
+// untimed), in ms.
 template <class F>
 double median_ms(cudaEvent_t start, cudaEvent_t stop, const F& f) {
   constexpr int kCalls = 10;
@@ -779,26 +780,13 @@ double time_case(const char* label, const Case& c) {
   CHECK_CUDA(cudaMemcpy(r.lse, lse.data(), lse.size() * 4, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(r.delta, delta.data(), delta.size() * 4, cudaMemcpyHostToDevice));
   const BwdParams p = make_params(r);
-  for (int i = 0; i < 3; ++i) CHECK_CUDA(jax_flash::cuda::bwd_wgmma(p, DType::kBF16, nullptr));
-  CHECK_CUDA(cudaDeviceSynchronize());
+  for (int i = 0; i < 2; ++i) CHECK_CUDA(jax_flash::cuda::bwd_wgmma(p, DType::kBF16, nullptr));
   cudaEvent_t start, stop;
   CHECK_CUDA(cudaEventCreate(&start));
   CHECK_CUDA(cudaEventCreate(&stop));
-  constexpr int kCalls = 10;
-  std::vector<float> ms;
-  for (int rep = 0; rep < 10; ++rep) {
-    CHECK_CUDA(cudaEventRecord(start));
-    for (int i = 0; i < kCalls; ++i) {
-      CHECK_CUDA(jax_flash::cuda::bwd_wgmma(p, DType::kBF16, nullptr));
-    }
-    CHECK_CUDA(cudaEventRecord(stop));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float t = 0.f;
-    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t / kCalls);
-  }
-  std::sort(ms.begin(), ms.end());
-  const double t = ms[ms.size() / 2] * 1e-3;
+  const double t = 1e-3 * median_ms(start, stop, [&] {
+                     CHECK_CUDA(jax_flash::cuda::bwd_wgmma(p, DType::kBF16, nullptr));
+                   });
   const double flops = 2.5 * 4.0 * c.hq * c.d * pairs;
   std::printf("time %-24s H=%d D=%d bf16: %.3f ms, %.1f TFLOP/s on %.3g visible pairs\n", label,
               c.hq, c.d, t * 1e3, flops / t * 1e-12, pairs);
