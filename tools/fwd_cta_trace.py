@@ -8,6 +8,11 @@ phase over the last launch's CTAs (cycles), a least-squares fit of a CTA's cycle
 blocks it visited, and the mean idle gap between consecutive CTAs on an SM. The marks cost a few
 stores per CTA; the timings of the traced build are not the kernel's timings.
 
+The marks are per CTA: with the persistent forward (on by default for rows of at most 2048 keys)
+a CTA runs many tiles and its marks are those of its last tile, so trace such cells with
+JAX_FLASH_FWD_PERSISTENT=0. Consumer warpgroup 0's marks; with the warpgroup block skip its first
+block need not be the tile's.
+
 The patches are plain text replacements of the kernel's source: when the kernel changes, the
 script stops with the text it could not find.
 
@@ -48,21 +53,22 @@ KERNEL_PATCHES = [
         "  // ------------------------------------------------------------------ which tile\n",
     ),
     (
-        "            if (it >= kStages) mbar_wait(bar_k_empty(stage), empty_parity);\n"
-        "            mbar_arrive_expect_tx(bar_k_full(stage), Tr::kKVStageBytes);",
-        "            if (it >= kStages) mbar_wait(bar_k_empty(stage), empty_parity);\n"
+        "            if (ring + it >= kStages) mbar_wait(bars.k_empty(stage), empty_parity);\n"
+        "            load_k(stage, n0, kv_head);",
+        "            if (ring + it >= kStages) mbar_wait(bars.k_empty(stage), empty_parity);\n"
         "            if (it == 0) FWD_MARK(2);\n"
-        "            mbar_arrive_expect_tx(bar_k_full(stage), Tr::kKVStageBytes);",
+        "            load_k(stage, n0, kv_head);",
     ),
     (
-        "        {\n          mbar_wait(bar_k_full(0), 0);\n          turn_begin(true);",
-        "        {\n          mbar_wait(bar_k_full(0), 0);\n"
-        "          if (threadIdx.x == 128) FWD_MARK(3);\n          turn_begin(true);",
+        "            mbar_wait(bars.k_full(s0), phase_of(lead));\n",
+        "            mbar_wait(bars.k_full(s0), phase_of(lead));\n"
+        "            if (threadIdx.x == 128) FWD_MARK(3);\n",
     ),
     (
-        "        {\n          const int last = (it - 1) % kStages;",
-        "        if (threadIdx.x == 128) {\n          FWD_MARK(4);\n          FWD_PUT(6, it);\n"
-        "        }\n        {\n          const int last = (it - 1) % kStages;",
+        "          {\n            const int last = stage_of(it - 1);",
+        "          if (threadIdx.x == 128) {\n            FWD_MARK(4);\n"
+        "            FWD_PUT(6, it);\n          }\n"
+        "          {\n            const int last = stage_of(it - 1);",
     ),
     (
         "          if (row + 8 * r < len_q) lse_row[row + 8 * r] = lse[r];\n        }\n      }\n",
