@@ -22,7 +22,7 @@ Usage: python3 tools/fwd_cta_trace.py DEST, then in DEST
 and on an sm_90 GPU: ./fwd_trace --order
 """
 
-from instrumented_copy import append, patch, scratch_copy
+from instrumented_copy import instrument_forward
 
 # Slots per CTA: 0 entry, 1 SM id, 2 first K issued, 3 first K landed (warpgroup 1, thread 128),
 # 4 loop end, 5 epilogue end, 6 blocks visited.
@@ -139,21 +139,9 @@ void fwd_trace_dump(const char* label) {
 }
 """
 
-DRIVER_PATCHES = [
-    ("namespace {", "void fwd_trace_dump(const char* label);\nnamespace {"),
-    (
-        '  std::printf("\\n");\n  return tflops;',
-        '  std::printf("\\n");\n  fwd_trace_dump(label);\n  return tflops;',
-    ),
-]
-
 
 def main() -> None:
-    dest = scratch_copy(__doc__.splitlines()[0], ("wgmma_check.cu", "cuda_check.h"))
-    patch(dest / "cpp/cuda/fwd_wgmma.cuh", KERNEL_PATCHES)
-    append(dest / "cpp/cuda/fwd_wgmma.cu", DUMP)
-    patch(dest / "tools/wgmma_check.cu", DRIVER_PATCHES)
-    print(f"instrumented copy in {dest}")
+    instrument_forward(__doc__.splitlines()[0], KERNEL_PATCHES, DUMP, "fwd_trace_dump")
 
 
 if __name__ == "__main__":

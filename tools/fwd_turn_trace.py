@@ -29,7 +29,7 @@ Usage: python3 tools/fwd_turn_trace.py DEST, then in DEST
 and on an sm_90 GPU: ./fwd_turns --time
 """
 
-from instrumented_copy import append, patch, scratch_copy
+from instrumented_copy import instrument_forward
 
 # Slots: [CTA < FWD_TURN_CTAS][consumer warpgroup < 4][iteration < FWD_TURN_STEPS][mark < 8].
 MARKS = """
@@ -135,21 +135,9 @@ void fwd_turn_dump(const char* label) {
 }
 """
 
-DRIVER_PATCHES = [
-    ("namespace {", "void fwd_turn_dump(const char* label);\nnamespace {"),
-    (
-        '  std::printf("\\n");\n  return tflops;',
-        '  std::printf("\\n");\n  fwd_turn_dump(label);\n  return tflops;',
-    ),
-]
-
 
 def main() -> None:
-    dest = scratch_copy(__doc__.splitlines()[0], ("wgmma_check.cu", "cuda_check.h"))
-    patch(dest / "cpp/cuda/fwd_wgmma.cuh", KERNEL_PATCHES)
-    append(dest / "cpp/cuda/fwd_wgmma.cu", DUMP)
-    patch(dest / "tools/wgmma_check.cu", DRIVER_PATCHES)
-    print(f"instrumented copy in {dest}")
+    instrument_forward(__doc__.splitlines()[0], KERNEL_PATCHES, DUMP, "fwd_turn_dump")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""What the per-CTA trace tools (fwd_cta_trace.py, decode_cta_trace.py) share: a scratch copy of
-cpp/ and of a standalone driver, edited by exact text replacements.
+"""What the trace tools (fwd_cta_trace.py, fwd_turn_trace.py, decode_cta_trace.py) share: a
+scratch copy of cpp/ and of a standalone driver, edited by exact text replacements.
 
 Each replacement must find its text exactly once, so a trace tool stops with the text it could
 not find when the kernel it instruments changes, instead of instrumenting the wrong place.
@@ -48,3 +48,24 @@ def scratch_copy(description: str, tool_files: tuple[str, ...]) -> pathlib.Path:
     for name in tool_files:
         shutil.copy(ROOT / "tools" / name, dest / "tools" / name)
     return dest
+
+
+def instrument_forward(description: str, kernel_patches: Patches, dump: str, dump_fn: str) -> None:
+    """The forward trace tools' copy: cpp/ and tools/wgmma_check.cu in the scratch directory named
+    on the command line, `kernel_patches` applied to cpp/cuda/fwd_wgmma.cuh, `dump` (which defines
+    `void dump_fn(const char* label)`) appended to cpp/cuda/fwd_wgmma.cu, and the driver calling
+    it after every timed cell."""
+    dest = scratch_copy(description, ("wgmma_check.cu", "cuda_check.h"))
+    patch(dest / "cpp/cuda/fwd_wgmma.cuh", kernel_patches)
+    append(dest / "cpp/cuda/fwd_wgmma.cu", dump)
+    patch(
+        dest / "tools/wgmma_check.cu",
+        [
+            ("namespace {", f"void {dump_fn}(const char* label);\nnamespace {{"),
+            (
+                '  std::printf("\\n");\n  return tflops;',
+                f'  std::printf("\\n");\n  {dump_fn}(label);\n  return tflops;',
+            ),
+        ],
+    )
+    print(f"instrumented copy in {dest}")
