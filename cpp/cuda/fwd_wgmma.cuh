@@ -158,9 +158,12 @@ inline constexpr int64_t kLongKeys = 4096;
 // whose 160-register consumers spill 150-320 bytes in the persistent form.
 constexpr bool fwd_persistent_tile(int head_dim, FwdMask mask, bool long_keys, bool softcap) {
   return mask != FwdMask::kSegments && head_dim <= 128 && !long_keys &&
-         !(softcap && head_dim == 64) &&
-         fwd_wgmma_tile(head_dim, mask, long_keys, true).block_n == 128;
+         !(softcap && head_dim == 64);
 }
+static_assert(fwd_wgmma_tile(64, FwdMask::kBand, false, true).block_n == 128 &&
+                  fwd_wgmma_tile(128, FwdMask::kNone, false, true).block_n == 128 &&
+                  fwd_wgmma_tile(128, FwdMask::kBand, false, true).block_n == 128,
+              "two Q buffers fit beside the K/V ring with 128-key blocks only");
 
 template <typename T, int kHeadDim, FwdMask kMaskKind, bool kSoftcapOn, bool kLongKeys,
           bool kPersistentOn = false>
