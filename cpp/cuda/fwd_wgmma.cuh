@@ -67,16 +67,17 @@ inline constexpr bool kFwdEarlyFirstLoads = (JAX_FLASH_FWD_EARLY_LOADS & 2) != 0
 #endif
 inline constexpr bool kFwdWgSkip = JAX_FLASH_FWD_WG_SKIP != 0;
 
-// Experiment switch: the query tiles of the banded kernels (FwdWgmmaTraits::kAlignEnd) end at the
-// sequence's last row instead of starting at its first, so that the tile left partly empty (at
-// head_dim 64, 1024 = 5 x 192 + 64; at 128 and 256, lengths of 128k + 1 to 128k + 64) is the
-// first one, whose rows see the fewest keys, rather than the last, whose working warpgroups walk
-// every key block with fewer others to overlap their softmax with. A dense sequence's first tile
-// then starts whole warpgroups (up to 128 rows) before row 0: Q's load reads zeros there, and
-// those warpgroups only keep the barrier protocol, as a tile's warpgroups past the end do. 0
-// (off) until measured.
+// The query tiles of the banded kernels (FwdWgmmaTraits::kAlignEnd) end at the sequence's last
+// row instead of starting at its first, so that the tile left partly empty (at head_dim 64,
+// 1024 = 5 x 192 + 64; at 128 and 256, lengths of 128k + 1 to 128k + 64) is the first one, whose
+// rows see the fewest keys, rather than the last, whose working warpgroups walk every key block
+// with fewer others to overlap their softmax with. A dense sequence's first tile then starts whole
+// warpgroups (up to 128 rows) before row 0: Q's load reads zeros there, and those warpgroups only
+// keep the barrier protocol, as a tile's warpgroups past the end do. Measured on an H100
+// (docs/PERF_LOG.md): head_dim 64 causal 1k +2.4% over four rounds (each round at or above the
+// unaligned build), every other cell within the card's noise. 0 turns it off.
 #ifndef JAX_FLASH_FWD_ALIGN_END
-#define JAX_FLASH_FWD_ALIGN_END 0
+#define JAX_FLASH_FWD_ALIGN_END 1
 #endif
 
 // Experiment switch: which head dims' consumer warpgroups take turns to issue their GEMMs
