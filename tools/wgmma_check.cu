@@ -1059,6 +1059,12 @@ int main(int argc, char** argv) {
       docs.heads_q = heads;
       docs.heads_kv = heads;
       time_case(docs, "packed causal documents 64-4096", causal4);
+      // Documents of at most 2048 tokens: a packed call the persistent forward serves.
+      Case short_docs =
+          packed(DType::kBF16, head_dim, documents(16384, 64, 2048, 1234), 0, 0, inf, 0);
+      short_docs.heads_q = heads;
+      short_docs.heads_kv = heads;
+      time_case(short_docs, "packed causal documents 64-2048", causal4);
       Case cap = base4;
       cap.softcap = 30.f;
       time_case(cap, "causal 4k softcap", causal4);
