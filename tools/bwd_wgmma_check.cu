@@ -1104,6 +1104,21 @@ int main(int argc, char** argv) {
     e.det = true;
     check(e);
   }
+  // Head_dim 128 without a mask, whose pairs have 80 queries with JAX_FLASH_BWD_M80 (dQ computed
+  // transposed): lengths around multiples of 80, packed sequences ending inside a tile (the short
+  // last tile adds from registers), GQA, in both orders.
+  {
+    check(dense(1, 160, 160, 2, 2, 128));
+    check(dense(2, 161, 239, 4, 2, 128));
+    Case p = packed({0, 80, 159, 240, 401}, {0, 80, 159, 240, 401}, 420, 420, 4, 2, 128);
+    p.poison = 2;
+    check(p);
+    p.det = true;
+    check(p);
+    Case e = dense(2, 241, 317, 4, 2, 128);
+    e.det = true;
+    check(e);
+  }
   // Head_dim 256 (64-key tiles, the warpgroups splitting the queries of S^T): the same kinds of
   // cases, fewer of each.
   for (int right : {-1, 0}) {

@@ -23,8 +23,10 @@ using sm90::encode_bshd;
 using sm90::sm90a_kernels_usable;
 
 // Queries per (query tile, key tile) pair (BwdWgmmaTraits::kBlockM): 128 at head_dim 64 with
-// JAX_FLASH_BWD_M128, 64 otherwise.
-constexpr int block_m(int64_t head_dim) {
+// JAX_FLASH_BWD_M128, 80 at head_dim 128 without a mask or softcap with JAX_FLASH_BWD_M80, 64
+// otherwise. The smallest of them bounds the loop counts of params_supported.
+constexpr int block_m(int64_t head_dim, bool masked, bool softcap) {
+  if (head_dim == 128 && !masked && !softcap && JAX_FLASH_BWD_M80 != 0) return 80;
   return head_dim == 64 && JAX_FLASH_BWD_M128 != 0 ? 128 : 64;
 }
 // Keys per CTA (BwdWgmmaTraits::kBlockN): 64 at head_dim 256, 128 below.
@@ -56,7 +58,7 @@ bool params_supported(const BwdParams& p, DType dtype) {
   if (tiles * p.heads_kv > kIntMax) return false;
   // Query tiles of one sequence times the GQA group: the producer's loop count.
   const int64_t max_len_q = l.varlen() ? l.total_q : l.seqlen_q;
-  if ((max_len_q / block_m(p.head_dim) + 2) * (p.heads_q / p.heads_kv) > kIntMax) return false;
+  if ((max_len_q / 64 + 2) * (p.heads_q / p.heads_kv) > kIntMax) return false;
   // Pointers and alignment of what the call reads or writes: TMA sources and destinations (Q, K,
   // V, dO, dq_accum, dK, dV) need 16 bytes, dQ 8-byte stores.
   if (rows_q > 0) {
@@ -79,20 +81,23 @@ bool params_supported(const BwdParams& p, DType dtype) {
 // zeros (and are not written); packed calls [rows, heads, D] views (batch 1), whose rows past a
 // sequence are the neighbour's and are zeroed by the kernel (read) or never reduced into (dQ).
 bool encode(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, const SeqLayout& l,
-            bool keys, int64_t heads, int64_t head_dim, int box_rows, int elem_bytes = 2) {
+            bool keys, int64_t heads, int64_t head_dim, int box_rows, int elem_bytes = 2,
+            int box_bytes = 128) {
+  constexpr CUtensorMapL2promotion kL2 = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   if (l.varlen()) {
     return encode_bshd(map, type, ptr, 1, keys ? l.total_k : l.total_q, heads, head_dim, box_rows,
-                       elem_bytes);
+                       elem_bytes, kL2, box_bytes);
   }
   return encode_bshd(map, type, ptr, l.batch, keys ? l.seqlen_k : l.seqlen_q, heads, head_dim,
-                     box_rows, elem_bytes);
+                     box_rows, elem_bytes, kL2, box_bytes);
 }
 
 // Zeroes dq_accum, runs the main kernel and converts dQ, all on `stream`.
 template <typename T, int kHeadDim, bool kMasked, bool kSoftcap>
 cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
   using Tr = BwdWgmmaTraits<T, kHeadDim, kMasked, kSoftcap>;
-  static_assert(Tr::kBlockM == block_m(kHeadDim) && Tr::kBlockN == block_n(kHeadDim));
+  static_assert(Tr::kBlockM == block_m(kHeadDim, kMasked, kSoftcap) &&
+                Tr::kBlockN == block_n(kHeadDim));
   // Segment ids that form documents schedule a row's key tiles by its documents.
   const SeqLayout l = with_runs(p.layout, p.mask.segments);
   const int64_t dq_elems = l.rows_q() * p.heads_q * Tr::kD;
@@ -118,7 +123,7 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
         (!encode(&tm_q, type, p.q, l, false, p.heads_q, Tr::kD, Tr::kBlockM) ||
          !encode(&tm_do, type, p.dout, l, false, p.heads_q, Tr::kD, Tr::kBlockM) ||
          !encode(&tm_dq, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.dq_accum, l, false, p.heads_q, Tr::kD,
-                 Tr::kDqBoxRows, 4))) {
+                 Tr::kDqBoxRows, 4, Tr::kDqBoxCols * 4))) {
       return cudaErrorInvalidValue;
     }
     // dK / dV are stored by each consumer warpgroup, 64 key rows at a time.

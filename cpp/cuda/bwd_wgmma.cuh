@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     return reinterpret_cast<int*>(stage_lse(stage) + 2 * kBlockM);
   };
   const auto stage_header = [&](int stage) {
-    return reinterpret_cast<BwdPairHeader*>(stats + stage * Tr::kRowStatBytes + 3 * kBlockM * 4);
+    return reinterpret_cast<BwdPairHeader*>(stats + stage * Tr::kRowStatBytes + Tr::kHeaderOffset);
   };
   // The stage's dO barrier (BwdPairHeader::dout_full); bar_full(stage) covers Q, the stats and
   // the header.
@@ -276,7 +276,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // then runs while the consumers (and, at head_dim 256, the dQ writers) still hold the
         // stage, whose turnaround is on the pairs' critical path (docs/PERF_LOG.md).
         const int64_t stat_row = ct.span.stat_start + head * ct.span.stat_head + m0;
-        constexpr int kStatPerLane = kBlockM / 32;
+        constexpr int kStatPerLane = (kBlockM + 31) / 32;
         float lse_ahead[kStatPerLane];
         float dlt_ahead[kStatPerLane];
 #pragma unroll
@@ -327,6 +327,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll
         for (int i = 0; i < kStatPerLane; ++i) {
           const int r = lane + 32 * i;
+          // (80-row tiles: the last round's upper lanes hold no row.)
+          if (kBlockM % 32 != 0 && r >= kBlockM) break;
           const bool seen = lse_ahead[i] != -CUDART_INF_F;
           lse_s[r] = seen ? lse_ahead[i] * kLog2e : CUDART_INF_F;
           lse_s[kBlockM + r] = seen ? dlt_ahead[i] : 0.f;
@@ -377,14 +379,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   if (n_iters > 0) {
     float s[kSCols / 2];
     float dp[kSCols / 2];
-    float dq[Tr::kDqCols / 2];
+    float dq[Tr::kDqAcc];
 #pragma unroll
     for (int i = 0; i < kSCols / 2; ++i) {
       s[i] = 0.f;
       dp[i] = 0.f;
     }
 #pragma unroll
-    for (int i = 0; i < Tr::kDqCols / 2; ++i) dq[i] = 0.f;
+    for (int i = 0; i < Tr::kDqAcc; ++i) dq[i] = 0.f;
     uint32_t p[kSCols / 16][4];
     uint32_t ds[kSCols / 16][4];
     // The factor of dS as f16 pairs (kPackedFactor only; otherwise it stays in s and this goes
@@ -646,7 +648,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // chunk i % 8 of the row in panel i / 8, swizzled to chunk (i % 8) ^ (kr % 8) =
         // (i % 8) ^ g. With 128-query tiles the thread's position is re-read (volatile) so that
         // the eight swizzled chunk offsets are computed here, not kept live across the loop.
-        {
+        if constexpr (Tr::kDqT) {
+          // kDqT: dS, K-major, for the dQ^T GEMM (store_ds_kmajor).
+          store_ds_kmajor<Tr>(ds_tile, ds, key_row0 + warp * 16, lane);
+        } else {
           const int sid = Tr::kPair128 ? fresh_thread_index() - 128 : 0;
           const int srow = Tr::kPair128 ? sid / 32 * 16 : key_row0 + warp * 16;
           const int sg = Tr::kPair128 ? sid % 32 / 4 : g;
@@ -668,11 +673,24 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // MN-major; both advance 16 key rows per wgmma. Then dK += dS^T Q (Q as the MN-major B
         // operand, over all the tile's queries), which runs while dQ_i leaves.
         wgmma_fence();
+        if constexpr (Tr::kDqT) {
+          // dQ^T = K^T dS^T: A = this warpgroup's panel of K read MN-major (16 key rows a step),
+          // B = dS K-major (32 bytes into a 128-byte row a step, then the next 64-key panel).
+          const uint64_t dsk_desc = smem_desc_sw128(ds_smem + buf * Tr::kDsBytes, 16);
 #pragma unroll
-        for (int k = 0; k < kBlockN / 16; ++k) {
-          wgmma_ss_trans<Tr::kDqCols, T>(dq, desc_advance(ds_desc, k * 16 * Tr::kRowBytes),
-                                         desc_advance(k_mn_desc, k * 16 * Tr::kRowBytes),
-                                         k > 0 ? 1u : 0u);
+          for (int k = 0; k < kBlockN / 16; ++k) {
+            wgmma_ss_ta<kBlockM, T>(
+                dq, desc_advance(k_mn_desc, k * 16 * Tr::kRowBytes),
+                desc_advance(dsk_desc, (k / 4) * Tr::kDsPanelBytes + (k % 4) * 32),
+                k > 0 ? 1u : 0u);
+          }
+        } else {
+#pragma unroll
+          for (int k = 0; k < kBlockN / 16; ++k) {
+            wgmma_ss_trans<Tr::kDqCols, T>(dq, desc_advance(ds_desc, k * 16 * Tr::kRowBytes),
+                                           desc_advance(k_mn_desc, k * 16 * Tr::kRowBytes),
+                                           k > 0 ? 1u : 0u);
+          }
         }
         wgmma_commit();
         wgmma_rs_mn<kDkCols, kBlockM / 16, T>(dk, ds, q_mn_desc);
@@ -708,7 +726,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (ctid % 32 == 0) tma_wait_read();
             __syncwarp();
           }
-          stage_dq_boxes<Tr::kDqCols, Tr::kDqStsm>(stage_dq, dq, ctid);
+          if constexpr (Tr::kDqT) {
+            stage_dq_box_t<kBlockM>(stage_dq + (ctid % 128) / 32 * Tr::kDqBoxBytes, dq, ctid % 32);
+          } else {
+            stage_dq_boxes<Tr::kDqCols, Tr::kDqStsm>(stage_dq, dq, ctid);
+          }
           fence_proxy_async_smem();
           if (in_order) {
             // The arrival orders the staging (and thread 0's record) before the writer's reads.
@@ -732,11 +754,19 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             // proxy fences) before lane 0's reductions.
             __syncwarp();
             if (ctid % 32 == 0) {
-              dq_reduce_boxes<Tr::kDqBoxes, Tr::kDqBoxRows, 1>(
-                  &tm_dq, tc::smem_addr(stage_dq), Tr::dq_col0(ctid / 128), head,
-                  bwd_dq_row(*cta_tile, packed_layout, runs_tile, args.layout.seqlen_q,
-                             m0 + Tr::dq_row0(ctid / 128)),
-                  ctid % 128 / 32);
+              const BwdDqRow at = bwd_dq_row(*cta_tile, packed_layout, runs_tile,
+                                             args.layout.seqlen_q, m0 + Tr::dq_row0(ctid / 128));
+              if constexpr (Tr::kDqT) {
+                // The warp's own box: its 16 head-dim columns of every query row.
+                const int w = ctid % 128 / 32;
+                dq_reduce_boxes<1, Tr::kDqBoxRows, 1, Tr::kDqBoxBytes, Tr::kDqBoxCols>(
+                    &tm_dq, tc::smem_addr(stage_dq) + w * Tr::kDqBoxBytes,
+                    Tr::dq_col0(ctid / 128) + Tr::kDqBoxCols * w, head, at);
+              } else {
+                dq_reduce_boxes<Tr::kDqBoxes, Tr::kDqBoxRows, 1>(&tm_dq, tc::smem_addr(stage_dq),
+                                                                 Tr::dq_col0(ctid / 128), head, at,
+                                                                 ctid % 128 / 32);
+              }
               tma_commit();
             }
           }

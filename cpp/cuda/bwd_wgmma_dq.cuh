@@ -17,11 +17,10 @@ namespace jax_flash::cuda::sm90 {
 // warpgroup whose dQ_i takes several GEMMs (kDqGemms) waits for its deterministic turn before the
 // first (`first`) and passes it on after the last (`last`).
 template <class Tr>
-__device__ __forceinline__ void bwd_dq_atomics(const float (&dq)[Tr::kDqCols / 2],
-                                               int64_t dq_offset, int rows, int m0, int cw,
-                                               int ctid, const BwdCtaTile* cta_tile,
-                                               const BwdWgmmaArgs& args, int row0, int col0,
-                                               bool first, bool last) {
+__device__ __forceinline__ void bwd_dq_atomics(const float (&dq)[Tr::kDqAcc], int64_t dq_offset,
+                                               int rows, int m0, int cw, int ctid,
+                                               const BwdCtaTile* cta_tile, const BwdWgmmaArgs& args,
+                                               int row0, int col0, bool first, bool last) {
   constexpr int kD = Tr::kD;
   const int dq_lane = ctid % 32;
   // Deterministic: this warpgroup's turn at the tile comes after every higher key tile that
@@ -40,9 +39,26 @@ __device__ __forceinline__ void bwd_dq_atomics(const float (&dq)[Tr::kDqCols / 2
   // 8i + t and 8i + 4 + t (dq_accum_position).
   static_assert(dq_accum_position(0) == 0 && dq_accum_position(1) == 4 &&
                 dq_accum_position(6) == 3 && dq_accum_position(7) == 7);
+  if constexpr (Tr::kDqT) {
+    // dQ^T: element 4i + 2r + e is (head column col0 + 16 warp + g + 8r, query row 8i + 2t + e).
+    static_assert(!Tr::kDqStsm);
+    float* const dq_col = args.dq_accum + dq_offset + col0 + (ctid % 128) / 32 * 16 + dq_lane / 4;
+#pragma unroll
+    for (int i = 0; i < Tr::kBlockM / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int q = 8 * i + 2 * (dq_lane % 4) + e;
+        if (q < rows) {
+          float* const at = dq_col + static_cast<int64_t>(q) * args.heads_q * kD;
+          tc::red_add_f32(at, dq[4 * i + e]);
+          tc::red_add_f32(at + 8, dq[4 * i + 2 + e]);
+        }
+      }
+    }
+  }
   float* const dq_head = args.dq_accum + dq_offset + col0 + (Tr::kDqStsm ? 1 : 2) * (dq_lane % 4);
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < 2 && !Tr::kDqT; ++r) {
     const int q = row0 + (ctid % 128) / 32 * 16 + dq_lane / 4 + 8 * r;
     if (q < rows) {
       float* const dq_row = dq_head + static_cast<int64_t>(q) * args.heads_q * kD;
@@ -106,6 +122,31 @@ __device__ __forceinline__ void stage_dq_boxes(uint8_t* boxes, const float (&dq)
   }
 }
 
+// dQ^T accumulators of one warp (kDqT: 16 head-dim columns, rows 16 warp + g + 8r, x kRows queries,
+// columns 8i + 2t + e; element 4i + 2r + e) staged as the warp's [kRows x 16] float32 box with the
+// 64-byte swizzle the TMA map applies: byte 64 q + 16 ((c / 4) ^ ((q / 2) % 4)) + 4 (c % 4) for
+// query q, column c. For a fixed (i, r, e) the warp's 32 stores fall on 16 banks, two lanes each.
+// (q / 2) % 4 is t for every q = 8i + 2t + e, so a lane's chunk depends on r alone, and its
+// stores are two base addresses plus immediates (512 bytes an i, 64 an e).
+template <int kRows>
+__device__ __forceinline__ void stage_dq_box_t(uint8_t* box, const float (&dq)[kRows / 2],
+                                               int lane) {
+  const int g = lane / 4;
+  const int t = lane % 4;
+  uint8_t* const row = box + 128 * t + (g % 4) * 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    uint8_t* const at = row + ((g / 4 + 2 * r) ^ t) * 16;
+#pragma unroll
+    for (int i = 0; i < kRows / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        *reinterpret_cast<float*>(at + 512 * i + 64 * e) = dq[4 * i + 2 * r + e];
+      }
+    }
+  }
+}
+
 // Where a query tile's dQ rows start in the TMA map over dq_accum: dense maps index
 // [batch, seqlen], packed ones the [rows] view from the span's start.
 struct BwdDqRow {
@@ -124,21 +165,22 @@ __device__ __forceinline__ BwdDqRow bwd_dq_row(const BwdCtaTile& ct, bool packed
           packed ? 0 : static_cast<int>(ct.span.seq)};
 }
 
-// TMA reductions of kBoxes staged 32-column float32 boxes (8 KB apart from `src` on) into dQ
-// columns col0, col0 + 32, .. of (at, head); the caller commits the bulk group. The map's boxes
-// have kBoxRows rows: kPieces of them from row piece0 * kBoxRows of the staged tile on (each
-// piece 1 KB-aligned in the staged tile, so the 128-byte swizzle is the same).
-template <int kBoxes, int kBoxRows, int kPieces>
+// TMA reductions of kBoxes staged kBoxCols-column float32 boxes (kBoxBytes apart from `src` on;
+// 32 columns, 8 KB, or kDqT's 16 columns of all the tile's rows) into dQ columns col0, col0 +
+// kBoxCols, .. of (at, head); the caller commits the bulk group. The map's boxes have kBoxRows
+// rows: kPieces of them from row piece0 * kBoxRows of the staged tile on (each piece 1 KB-aligned
+// in the staged tile, so the swizzle is the same).
+template <int kBoxes, int kBoxRows, int kPieces, int kBoxBytes = 8192, int kBoxCols = 32>
 __device__ __forceinline__ void dq_reduce_boxes(const CUtensorMap* tm_dq, uint32_t src, int col0,
                                                 int head, BwdDqRow at, int piece0 = 0) {
-  static_assert(kBoxRows * 128 % 1024 == 0);
+  static_assert(kPieces == 1 || kBoxRows * kBoxCols * 4 % 1024 == 0);
 #pragma unroll
   for (int k = 0; k < kPieces; ++k) {
     const int row = (piece0 + k) * kBoxRows;
 #pragma unroll
     for (int b = 0; b < kBoxes; ++b) {
-      tma_reduce_add_4d(tm_dq, src + b * 8192 + row * 128, col0 + 32 * b, head, at.row + row,
-                        at.batch);
+      tma_reduce_add_4d(tm_dq, src + b * kBoxBytes + row * kBoxCols * 4, col0 + kBoxCols * b, head,
+                        at.row + row, at.batch);
     }
   }
 }
@@ -234,8 +276,9 @@ __device__ __forceinline__ void bwd_dq_writer(const CUtensorMap* tm_dq, uint32_t
     int32_t* const sem = sems + handoff->sem;
     if (lane == 0) {
       dq_turn_wait(sem, handoff->ticket);
-      dq_reduce_boxes<Tr::kDqBoxes, Tr::kDqBoxRows, Tr::kDqRows / Tr::kDqBoxRows>(
-          tm_dq, stage_dq, Tr::dq_col0(cw), handoff->head, {handoff->row, handoff->batch});
+      dq_reduce_boxes<Tr::kDqBoxes, Tr::kDqBoxRows, Tr::kDqRows / Tr::kDqBoxRows, Tr::kDqBoxBytes,
+                      Tr::kDqBoxCols>(tm_dq, stage_dq, Tr::dq_col0(cw), handoff->head,
+                                      {handoff->row, handoff->batch});
       dq_record_release(handoff);
       tma_commit();
       tma_wait_read();
@@ -275,7 +318,7 @@ __device__ __forceinline__ void bwd_dq_writer_split(const CUtensorMap* tm_dq, ui
     const int stage = slot % Tr::kStages;
     named_barrier_sync(kBwdBarDqStagedBase + cw, kBwdDqHandoffThreads);
     const BwdPairHeader* const hdr = reinterpret_cast<const BwdPairHeader*>(
-        stats + stage * Tr::kRowStatBytes + 3 * Tr::kBlockM * 4);
+        stats + stage * Tr::kRowStatBytes + Tr::kHeaderOffset);
     // Only lane 0 reads the header: its arrival on the empty barrier below orders its own reads
     // before the producer's next writes of the stage, and would not order the other lanes'.
     int flags = 0;

@@ -234,6 +234,28 @@ __device__ __forceinline__ void store_operand_tile(uint8_t* tile, const uint32_t
   }
 }
 
+// kDqT: the warp's dS^T fragments (16 keys key0.., kBlockM queries) stored transposed, as dS: rows
+// of kBlockM queries, the tile's kBlockN keys in 64-key panels of 128-byte swizzled rows (K-major,
+// the B operand of dQ^T = K^T dS^T). One stmatrix.x4.trans per k16 step: its matrix m is register
+// m of the A fragment, keys key0 + 8 (m % 2).. x queries 16j + 8 (m / 2)..; transposed, it is rows
+// 16j + 8 (m / 2) + 0..7 at the 16-byte chunk of those 8 keys, which lane 8m + row addresses. The
+// swizzle puts a matrix's 8 rows on 8 different chunks: no bank conflict.
+template <class Tr>
+__device__ __forceinline__ void store_ds_kmajor(uint8_t* tile,
+                                                const uint32_t (&ds)[Tr::kBlockM / 16][4], int key0,
+                                                int lane) {
+  const int m = lane / 8;
+  const int key = key0 + 8 * (m % 2);
+  // Row q = 16j + 8 (m / 2) + lane % 8 has q % 8 = lane % 8: one address plus 2 KB a step.
+  const int row = 8 * (m / 2) + lane % 8;
+  const uint32_t at = tc::smem_addr(tile) + (key / 64) * Tr::kDsPanelBytes + row * 128 +
+                      (((key % 64 / 8) ^ (lane % 8)) * 16);
+#pragma unroll
+  for (int j = 0; j < Tr::kBlockM / 16; ++j) {
+    tc::stmatrix_x4_trans(at + j * 16 * 128, ds[j][0], ds[j][1], ds[j][2], ds[j][3]);
+  }
+}
+
 // The register fragments of k16 steps step0 .. step0 + kSteps - 1 (queries) of a warp's 16 key
 // rows row0.. of such a tile, the A operand of a register-sourced wgmma: one ldmatrix.x4 per step,
 // lanes 0-15 addressing the rows at the step's first 8 queries, lanes 16-31 at its last 8.

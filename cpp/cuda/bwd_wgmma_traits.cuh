@@ -47,6 +47,16 @@ struct BwdWgmmaArgs {
 #define JAX_FLASH_BWD_M128 1
 #endif
 
+// Experiment switch: head_dim 128 without a mask or softcap with 80 queries per pair
+// (BwdWgmmaTraits::kDqT), FlashAttention-3's tile for those calls: S^T and dP^T are m64n80, dS is
+// stored K-major ([80 queries][128 keys], stmatrix.trans) and dQ_i is computed transposed, dQ^T =
+// K^T dS^T per warpgroup (its 64 head-dim columns x 80 queries), staged per warp in
+// 64-byte-swizzled [80 x 16] float32 boxes for the TMA reductions. 0 (off) until measured
+// (docs/PERF_LOG.md).
+#ifndef JAX_FLASH_BWD_M80
+#define JAX_FLASH_BWD_M80 0
+#endif
+
 // The pair's order (BwdWgmmaTraits::kLateP), bit 1 for head_dim 64, bit 2 for head_dim 128:
 // clear, dV issued early (with 128-query pairs the packed f16 factor); set, P kept float32 and dV
 // issued after dS^T. Measured on the H200 (docs/PERF_LOG.md): head_dim 64 +5-6% unmasked and
@@ -120,7 +130,10 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // per 128 queries, and S^T is one m64n128 GEMM (each K fragment read once per 128 queries);
   // kPair128 below says how the registers fit. Head_dim 128 and 256 keep 64 (their dK / dV
   // registers leave no room).
-  static constexpr int kBlockM = kD == 64 && JAX_FLASH_BWD_M128 != 0 ? 128 : 64;
+  // kDqT (JAX_FLASH_BWD_M80): head_dim 128 without a mask or softcap, 80 queries a pair and
+  // dQ_i computed transposed (see the switch).
+  static constexpr bool kDqT = kD == 128 && !kMasked && !kSoftcap && JAX_FLASH_BWD_M80 != 0;
+  static constexpr int kBlockM = kDqT ? 80 : kD == 64 && JAX_FLASH_BWD_M128 != 0 ? 128 : 64;
   static constexpr int kSCols = kSplitQ ? kBlockM / kConsumerWarpgroups : kBlockM;
   static constexpr int kDkCols = kSplitQ ? kD / kConsumerWarpgroups : kD;
   // Q / dO stages: with 64-query tiles a third fits beside the head_dim-64 tiles, and gives the
@@ -144,6 +157,9 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   static constexpr int kDqRows = kDqSplitRows ? kBlockM / kConsumerWarpgroups : kBlockM;
   static constexpr int kDqCols = kSplitQ ? 64 : kDqSplitRows ? kD : kD / kConsumerWarpgroups;
   static constexpr int kDqGemms = kDqSplitRows ? 1 : kD / (kConsumerWarpgroups * kDqCols);
+  // dQ_i accumulator registers a thread: m64n(kDqCols) per GEMM, or with kDqT m64n80 (its 64
+  // head-dim columns on the accumulator rows, the 80 queries on its columns).
+  static constexpr int kDqAcc = kDqT ? kBlockM / 2 : kDqCols / 2;
   // Consumer warpgroup cw's part of dQ_i: tile rows from dq_row0(cw), head columns from
   // dq_col0(cw).
   __host__ __device__ static constexpr int dq_row0(int cw) {
@@ -158,7 +174,10 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // barrier between the staging and the reduction. The deterministic writer then adds a tile as
   // kDqRows / kDqBoxRows pieces; head_dim 256 keeps 64-row boxes.
   static constexpr bool kWarpDq = kDqStaged;
-  static constexpr int kDqBoxRows = kWarpDq ? 16 : kDqRows;
+  // kDqT: a warp holds 16 head-dim columns of all the tile's queries, so its box is [kBlockM rows x
+  // 16 columns] (64-byte rows, the 64-byte swizzle), and the warpgroup's 4 boxes lie side by side.
+  static constexpr int kDqBoxRows = kDqT ? kBlockM : kWarpDq ? 16 : kDqRows;
+  static constexpr int kDqBoxCols = kDqT ? 16 : 32;
 
   // Consumers hold dK and dV (kDkCols / 2 registers each), S^T and dP^T (kSCols / 2 each), dQ
   // (kDqCols / 2) and the 16-bit P^T, dS^T (kSCols / 4 each). With 128-query tiles (kPair128)
@@ -209,19 +228,25 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   static constexpr int kQStageBytes = kQPanelBytes * Panels::kPanels;
   // dS^T of one query tile: kBlockN key rows of kBlockM queries, in kDsPanels panels of 64
   // queries (128-byte rows, as the TMA lays out Q); P^T alike where the warpgroups exchange it.
-  static constexpr int kDsPanels = kBlockM * 2 / Panels::kRowBytes;
-  static constexpr int kDsPanelBytes = kBlockN * Panels::kRowBytes;
+  // kDqT: dS instead, kBlockM query rows of the kBlockN keys, in kBlockN / 64 panels (K-major for
+  // the dQ^T GEMM's B).
+  static constexpr int kDsPanels =
+      kDqT ? kBlockN * 2 / Panels::kRowBytes : kBlockM * 2 / Panels::kRowBytes;
+  static constexpr int kDsPanelBytes = (kDqT ? kBlockM : kBlockN) * Panels::kRowBytes;
   static constexpr int kDsBytes = kDsPanelBytes * kDsPanels;
   static constexpr int kPBytes = kSplitQ ? kDsBytes : 0;
   // dQ_i of one warpgroup (kDqRows queries x kDqCols head-dim columns, float32) on its way to
   // dq_accum: TMA boxes of 32 columns, each kDqRows 128-byte rows with the 128-byte swizzle.
-  static constexpr int kDqBoxBytes = kDqRows * Panels::kRowBytes;
-  static constexpr int kDqBoxes = kDqCols / 32;
+  static constexpr int kDqBoxBytes = kDqRows * kDqBoxCols * 4;
+  static constexpr int kDqBoxes = kDqCols / kDqBoxCols;
   static constexpr int kDqWgBytes = kDqStaged ? kDqBoxBytes * kDqBoxes : 0;
   // Per stage: lse * log2(e), delta and the query segment ids (kBlockM 4-byte values each), then
   // the pair's header (BwdPairHeader).
+  // kDqT kernels (no segment ids) keep no query ids: their shared memory is full.
   static constexpr int kHeaderBytes = 48;
-  static constexpr int kRowStatBytes = 3 * kBlockM * 4 + kHeaderBytes;
+  static constexpr int kStatArrays = kDqT ? 2 : 3;
+  static constexpr int kHeaderOffset = kStatArrays * kBlockM * 4;
+  static constexpr int kRowStatBytes = kHeaderOffset + kHeaderBytes;
 
   static constexpr int kKOffset = 0;
   static constexpr int kVOffset = kKOffset + kKVBytes;
@@ -242,24 +267,28 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // The deterministic order's hand-off of a staged dQ_i to its writer warp (BwdDqHandoff), one per
   // consumer warpgroup (head_dim 64 / 128).
   static constexpr int kHandoffBytes = kDqStaged ? kDqHandoffBytes : 0;
-  static constexpr int kHandoffOffset = kKvIdOffset + kBlockN * 4;
+  static constexpr int kHandoffOffset = kKvIdOffset + (kDqT ? 0 : kBlockN * 4);
   // The kernel aligns its base to 1024 bytes (the swizzle's period); dynamic shared memory starts
   // 16-byte aligned, so that costs at most 1008 bytes (head_dim 256 needs all but a few of them).
   static constexpr int kSmemBytes = kHandoffOffset + kConsumerWarpgroups * kHandoffBytes + 1008;
 
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>);
   static_assert(kD == 64 || kD == 128 || kD == 256, "head_dim 64, 128 and 256 only");
-  static_assert(kBlockM * 2 == kDsPanels * Panels::kRowBytes, "dS^T rows are whole swizzle spans");
+  static_assert(kBlockM * 2 == kDsPanels * Panels::kRowBytes || kDqT,
+                "dS^T rows are whole swizzle spans");
+  static_assert(!kDqT || (kBlockM % 16 == 0 && kDsPanels == 2 && !kPair128 && !kSplitQ),
+                "the kDqT pair: k16 steps of queries, dS in two 64-key panels");
   static_assert(kDsPanels == 1 || !kSplitQ, "the P^T / dS^T exchange reads one panel");
   static_assert(kKVPanelBytes % 1024 == 0 && kQPanelBytes % 1024 == 0 &&
                 kDsPanelBytes % 1024 == 0 && kDqBoxBytes % 1024 == 0);
   static_assert(kDqCols == 64 || kDqCols == 32, "dQ GEMMs are m64n64 or m64n32");
-  static_assert(kDqRows == 64, "dQ GEMMs have 64 query rows (one wgmma M extent)");
-  static_assert(kDqBoxBytes == 8192 && (kQPanelBytes == 8192 || !kSplitQ),
+  static_assert(kDqRows == 64 || kDqT, "dQ GEMMs have 64 query rows (one wgmma M extent)");
+  static_assert((kDqBoxBytes == 8192 || kDqT) && (kQPanelBytes == 8192 || !kSplitQ),
                 "dq_reduce_boxes and stage_dq_boxes space the 32-column boxes 8 KB apart");
+  static_assert(kDqBoxBytes % 512 == 0, "each box starts on its swizzle period");
   static_assert(kDkCols == 128 || kDkCols == 64, "dV / dK GEMMs are m64n128 or m64n64");
-  static_assert(kSCols == 128 || kSCols == 64 || kSCols == 32,
-                "S^T GEMMs are m64n128, m64n64 or m64n32");
+  static_assert(kSCols == 128 || kSCols == 80 || kSCols == 64 || kSCols == 32,
+                "S^T GEMMs are m64n128, m64n80, m64n64 or m64n32");
   static_assert(kRowStatBytes % 16 == 0, "headers are read as 16-byte vectors");
   static_assert(kHandoffOffset % 8 == 0, "the hand-off holds an int64_t");
   static_assert(kConsumerWarpgroups + 1 <= 4, "one writer warp per consumer warpgroup");

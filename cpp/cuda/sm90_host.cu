@@ -76,10 +76,11 @@ int sm_count() {
 
 bool encode_bshd(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, int64_t batch,
                  int64_t seqlen, int64_t heads, int64_t head_dim, int box_rows, int elem_bytes,
-                 CUtensorMapL2promotion promotion) {
+                 CUtensorMapL2promotion promotion, int box_bytes) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   if (elem_bytes != 2 && elem_bytes != 4) return false;
+  if (box_bytes != 128 && box_bytes != 64) return false;
   const int64_t kElemBytes = elem_bytes;
   if (seqlen == 0) seqlen = 1;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
@@ -87,11 +88,12 @@ bool encode_bshd(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, in
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_dim * kElemBytes),
                                  static_cast<cuuint64_t>(heads * head_dim * kElemBytes),
                                  static_cast<cuuint64_t>(seqlen * heads * head_dim * kElemBytes)};
-  const cuuint32_t box[4] = {static_cast<cuuint32_t>(128 / elem_bytes), 1,
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(box_bytes / elem_bytes), 1,
                              static_cast<cuuint32_t>(box_rows), 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   return encode(map, type, 4, const_cast<void*>(ptr), dims, strides, box, element_strides,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promotion,
+                CU_TENSOR_MAP_INTERLEAVE_NONE,
+                box_bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B, promotion,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 

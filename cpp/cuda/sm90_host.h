@@ -33,13 +33,15 @@ inline bool aligned(const void* ptr, uintptr_t bytes) {
 
 // A [batch, seqlen, heads, head_dim] tensor of 2-byte (or, with elem_bytes 4, float32) elements as
 // a 4-D TMA map (innermost first), read or written in boxes of one 128-byte swizzle span of
-// head-dim columns (64 of 2 bytes, 32 of 4) x `box_rows` sequence positions of one head. Rows past
+// head-dim columns (64 of 2 bytes, 32 of 4; `box_bytes` 64: half of that with the 64-byte swizzle)
+// x `box_rows` sequence positions of one head. Rows past
 // seqlen read as zeros and are not written. A zero seqlen is encoded as 1 (TMA dims must be
 // nonzero): callers never load such a map. `promotion`: how much around each miss L2 fetches (the
 // attention kernels reuse K/V rows across CTAs and ask for 256 bytes; the decode stream reads each
 // byte once and asks for none). False on failure.
 bool encode_bshd(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, int64_t batch,
                  int64_t seqlen, int64_t heads, int64_t head_dim, int box_rows, int elem_bytes = 2,
-                 CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+                 CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                 int box_bytes = 128);
 
 }  // namespace jax_flash::cuda::sm90

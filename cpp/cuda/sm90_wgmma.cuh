@@ -193,6 +193,16 @@ __device__ __forceinline__ void wgmma_ss_trans(float (&d)[kN / 2], uint64_t desc
   }
 }
 
+// A MN-major, B K-major (imm-trans-a = 1, imm-trans-b = 0): dQ^T = K^T dS^T in the 80-query
+// backward pair, A = K read as K^T and B = dS^T stored as dS.
+template <int kN, typename T>
+__device__ __forceinline__ void wgmma_ss_ta(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b,
+                                            uint32_t scale_d) {
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  static_assert(kN == 80, "no wgmma_ss_ta wrapper for this N");
+  JF_SS_CASE(80, JF_DP5, JF_F5, 40, 41, 42, "1, 0")
+}
+
 template <int kN, typename T>
 __device__ __forceinline__ void wgmma_rs(float (&d)[kN / 2], const uint32_t (&a)[4],
                                          uint64_t desc_b, uint32_t scale_d) {

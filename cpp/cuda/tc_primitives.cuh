@@ -69,6 +69,21 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t smem_row, uint32_t r0, uint
 #endif
 }
 
+// The same, each matrix transposed on its way: lane 4g + t's register m (the row g, columns 2t
+// and 2t + 1 of matrix m) lands in column g of rows 2t and 2t + 1 of the rows lanes 8m..8m+7
+// address. 16-bit elements only.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t smem_row, uint32_t r0, uint32_t r1,
+                                                  uint32_t r2, uint32_t r3) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_row),
+      "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+      : "memory");
+#else
+  __trap();
+#endif
+}
+
 __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* smem_row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
                : "=r"(r[0]), "=r"(r[1])
