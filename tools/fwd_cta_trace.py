@@ -38,10 +38,6 @@ __device__ unsigned long long g_fwd_trace[FWD_TRACE_SLOTS * 8];
 
 KERNEL_PATCHES = [
     (
-        "namespace jax_flash::cuda::sm90 {\n",
-        "namespace jax_flash::cuda::sm90 {\n" + MARKS,
-    ),
-    (
         "  // ------------------------------------------------------------------ which tile\n",
         "  if (threadIdx.x == 0) {\n"
         "    FWD_MARK(0);\n"
@@ -141,7 +137,7 @@ void fwd_trace_dump(const char* label) {
 
 
 def main() -> None:
-    instrument_forward(__doc__.splitlines()[0], KERNEL_PATCHES, DUMP, "fwd_trace_dump")
+    instrument_forward(__doc__.splitlines()[0], MARKS, KERNEL_PATCHES, DUMP, "fwd_trace_dump")
 
 
 if __name__ == "__main__":

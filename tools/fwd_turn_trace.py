@@ -46,10 +46,6 @@ __device__ unsigned long long g_fwd_turn[FWD_TURN_CTAS * 4 * FWD_TURN_STEPS * 8]
 
 KERNEL_PATCHES = [
     (
-        "namespace jax_flash::cuda::sm90 {\n",
-        "namespace jax_flash::cuda::sm90 {\n" + MARKS,
-    ),
-    (
         "          for (; next >= wg_first; ++it) {\n            nb = next;\n",
         "          for (; next >= wg_first; ++it) {\n            nb = next;\n"
         "            FWD_TURN_MARK(0);\n",
@@ -137,7 +133,7 @@ void fwd_turn_dump(const char* label) {
 
 
 def main() -> None:
-    instrument_forward(__doc__.splitlines()[0], KERNEL_PATCHES, DUMP, "fwd_turn_dump")
+    instrument_forward(__doc__.splitlines()[0], MARKS, KERNEL_PATCHES, DUMP, "fwd_turn_dump")
 
 
 if __name__ == "__main__":

@@ -50,13 +50,17 @@ def scratch_copy(description: str, tool_files: tuple[str, ...]) -> pathlib.Path:
     return dest
 
 
-def instrument_forward(description: str, kernel_patches: Patches, dump: str, dump_fn: str) -> None:
+def instrument_forward(
+    description: str, marks: str, kernel_patches: Patches, dump: str, dump_fn: str
+) -> None:
     """The forward trace tools' copy: cpp/ and tools/wgmma_check.cu in the scratch directory named
-    on the command line, `kernel_patches` applied to cpp/cuda/fwd_wgmma.cuh, `dump` (which defines
+    on the command line, `marks` (the trace's buffer and macros) opening the kernel namespace of
+    cpp/cuda/fwd_wgmma.cuh and `kernel_patches` applied there, `dump` (which defines
     `void dump_fn(const char* label)`) appended to cpp/cuda/fwd_wgmma.cu, and the driver calling
     it after every timed cell."""
     dest = scratch_copy(description, ("wgmma_check.cu", "cuda_check.h"))
-    patch(dest / "cpp/cuda/fwd_wgmma.cuh", kernel_patches)
+    namespace = "namespace jax_flash::cuda::sm90 {\n"
+    patch(dest / "cpp/cuda/fwd_wgmma.cuh", [(namespace, namespace + marks), *kernel_patches])
     append(dest / "cpp/cuda/fwd_wgmma.cu", dump)
     patch(
         dest / "tools/wgmma_check.cu",
