@@ -22,13 +22,6 @@ using sm90::BwdWgmmaTraits;
 using sm90::encode_bshd;
 using sm90::sm90a_kernels_usable;
 
-// Queries per (query tile, key tile) pair (BwdWgmmaTraits::kBlockM): 128 at head_dim 64 with
-// JAX_FLASH_BWD_M128, 80 at head_dim 128 without a mask or softcap with JAX_FLASH_BWD_M80, 64
-// otherwise. The smallest of them bounds the loop counts of params_supported.
-constexpr int block_m(int64_t head_dim, bool masked, bool softcap) {
-  if (head_dim == 128 && !masked && !softcap && JAX_FLASH_BWD_M80 != 0) return 80;
-  return head_dim == 64 && JAX_FLASH_BWD_M128 != 0 ? 128 : 64;
-}
 // Keys per CTA (BwdWgmmaTraits::kBlockN): 64 at head_dim 256, 128 below.
 constexpr int block_n(int64_t head_dim) { return head_dim == 256 ? 64 : 128; }
 
@@ -58,6 +51,7 @@ bool params_supported(const BwdParams& p, DType dtype) {
   if (tiles * p.heads_kv > kIntMax) return false;
   // Query tiles of one sequence times the GQA group: the producer's loop count.
   const int64_t max_len_q = l.varlen() ? l.total_q : l.seqlen_q;
+  // Bounded with the smallest query tile of any kernel (BwdWgmmaTraits::kBlockM >= 64).
   if ((max_len_q / 64 + 2) * (p.heads_q / p.heads_kv) > kIntMax) return false;
   // Pointers and alignment of what the call reads or writes: TMA sources and destinations (Q, K,
   // V, dO, dq_accum, dK, dV) need 16 bytes, dQ 8-byte stores.
@@ -96,8 +90,7 @@ bool encode(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, const S
 template <typename T, int kHeadDim, bool kMasked, bool kSoftcap>
 cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t stream) {
   using Tr = BwdWgmmaTraits<T, kHeadDim, kMasked, kSoftcap>;
-  static_assert(Tr::kBlockM == block_m(kHeadDim, kMasked, kSoftcap) &&
-                Tr::kBlockN == block_n(kHeadDim));
+  static_assert(Tr::kBlockM >= 64 && Tr::kBlockN == block_n(kHeadDim));
   // Segment ids that form documents schedule a row's key tiles by its documents.
   const SeqLayout l = with_runs(p.layout, p.mask.segments);
   const int64_t dq_elems = l.rows_q() * p.heads_q * Tr::kD;

@@ -55,20 +55,21 @@ __device__ __forceinline__ void bwd_dq_atomics(const float (&dq)[Tr::kDqAcc], in
         }
       }
     }
-  }
-  float* const dq_head = args.dq_accum + dq_offset + col0 + (Tr::kDqStsm ? 1 : 2) * (dq_lane % 4);
+  } else {
+    float* const dq_head = args.dq_accum + dq_offset + col0 + (Tr::kDqStsm ? 1 : 2) * (dq_lane % 4);
 #pragma unroll
-  for (int r = 0; r < 2 && !Tr::kDqT; ++r) {
-    const int q = row0 + (ctid % 128) / 32 * 16 + dq_lane / 4 + 8 * r;
-    if (q < rows) {
-      float* const dq_row = dq_head + static_cast<int64_t>(q) * args.heads_q * kD;
+    for (int r = 0; r < 2; ++r) {
+      const int q = row0 + (ctid % 128) / 32 * 16 + dq_lane / 4 + 8 * r;
+      if (q < rows) {
+        float* const dq_row = dq_head + static_cast<int64_t>(q) * args.heads_q * kD;
 #pragma unroll
-      for (int i = 0; i < Tr::kDqCols / 8; ++i) {
-        if constexpr (Tr::kDqStsm) {
-          tc::red_add_f32(dq_row + 8 * i, dq[4 * i + 2 * r]);
-          tc::red_add_f32(dq_row + 8 * i + 4, dq[4 * i + 2 * r + 1]);
-        } else {
-          tc::red_add_f32x2(dq_row + 8 * i, dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+        for (int i = 0; i < Tr::kDqCols / 8; ++i) {
+          if constexpr (Tr::kDqStsm) {
+            tc::red_add_f32(dq_row + 8 * i, dq[4 * i + 2 * r]);
+            tc::red_add_f32(dq_row + 8 * i + 4, dq[4 * i + 2 * r + 1]);
+          } else {
+            tc::red_add_f32x2(dq_row + 8 * i, dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+          }
         }
       }
     }
