@@ -69,7 +69,10 @@ def _cell(head_dim, seqlen, causal, repeats):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=None, help="write <out>.md")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="write <out>.md, or <out>/<name>.md with --name"
+    )
+    parser.add_argument("--name", help="file name stem; --out is then the directory")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
@@ -100,8 +103,9 @@ def main() -> None:
     text += [f"- {k}: {v}" for k, v in env.items()]
     text += ["", *lines, ""]
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".md").write_text("\n".join(text))
+        path = args.out / f"{args.name}.md" if args.name else args.out.with_suffix(".md")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(text))
 
 
 if __name__ == "__main__":
