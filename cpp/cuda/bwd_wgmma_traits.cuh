@@ -128,10 +128,11 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // (stage and GEMM waits, the dS^T barrier, proxy fences, the dQ_i hand-off, the header and
   // lse / delta handling), which dominate a pair of the short head_dim-64 GEMMs, are paid once
   // per 128 queries, and S^T is one m64n128 GEMM (each K fragment read once per 128 queries);
-  // kPair128 below says how the registers fit. Head_dim 128 and 256 keep 64 (their dK / dV
-  // registers leave no room).
+  // kPair128 below says how the registers fit. Head_dim 256 and head_dim 128's masked or
+  // soft-capped kernels keep 64 (their dK / dV registers leave no room for 128 queries).
   // kDqT (JAX_FLASH_BWD_M80): head_dim 128 without a mask or softcap, 80 queries a pair and
-  // dQ_i computed transposed (see the switch).
+  // dQ_i computed transposed (see the switch); its kernels keep no segment ids, which is what
+  // lets their 80-row stages fit in shared memory.
   static constexpr bool kDqT = kD == 128 && !kMasked && !kSoftcap && JAX_FLASH_BWD_M80 != 0;
   static constexpr int kBlockM = kDqT ? 80 : kD == 64 && JAX_FLASH_BWD_M128 != 0 ? 128 : 64;
   static constexpr int kSCols = kSplitQ ? kBlockM / kConsumerWarpgroups : kBlockM;
