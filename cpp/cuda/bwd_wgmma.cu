@@ -102,6 +102,9 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
     return err;
   }
 
+  // kDqPairs: dq_accum in dq_pair_position's order where the tiles' rows pair up in every
+  // sequence (dense, even seqlen_q; the tiles start at multiples of 80).
+  const bool pairs = Tr::kDqPairs && !l.varlen() && l.seqlen_q % 2 == 0;
   const int64_t tiles = l.tiles(Tr::kBlockN, true);
   const int64_t grid = tiles * p.heads_kv;
   // Without keys there is no dK / dV row to write. Without queries the kernel still runs to
@@ -112,11 +115,16 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
     std::memset(&tm_q, 0, sizeof(tm_q));
     std::memset(&tm_do, 0, sizeof(tm_do));
     std::memset(&tm_dq, 0, sizeof(tm_dq));
+    const auto encode_dq = [&] {
+      return pairs ? encode_bshd(&tm_dq, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.dq_accum, l.batch,
+                                 l.seqlen_q / 2, p.heads_q, 2 * Tr::kD, Tr::kDqPairBoxRows, 4,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, Tr::kDqPairBoxCols * 4)
+                   : encode(&tm_dq, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.dq_accum, l, false,
+                            p.heads_q, Tr::kD, Tr::kDqBoxRows, 4, Tr::kDqBoxCols * 4);
+    };
     if (l.rows_q() > 0 &&
         (!encode(&tm_q, type, p.q, l, false, p.heads_q, Tr::kD, Tr::kBlockM) ||
-         !encode(&tm_do, type, p.dout, l, false, p.heads_q, Tr::kD, Tr::kBlockM) ||
-         !encode(&tm_dq, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.dq_accum, l, false, p.heads_q, Tr::kD,
-                 Tr::kDqBoxRows, 4, Tr::kDqBoxCols * 4))) {
+         !encode(&tm_do, type, p.dout, l, false, p.heads_q, Tr::kD, Tr::kBlockM) || !encode_dq())) {
       return cudaErrorInvalidValue;
     }
     // dK / dV are stored by each consumer warpgroup, 64 key rows at a time.
@@ -150,6 +158,7 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
     const double cap = p.mask.softcap;
     args.softcap_scale = kSoftcap ? static_cast<float>(p.softmax_scale / cap) : 0.f;
     args.softcap_log2 = kSoftcap ? static_cast<float>(cap * 1.4426950408889634) : 0.f;
+    args.dq_pairs = pairs;
 
     const auto kernel = sm90::bwd_wgmma_kernel<Tr>;
     cudaError_t err = configure_kernel_once<sm90::bwd_wgmma_kernel<Tr>>(Tr::kSmemBytes);
@@ -160,6 +169,12 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
     if (err != cudaSuccess) return err;
   }
 
+  if constexpr (Tr::kDqPairs) {
+    if (pairs) {
+      return convert_dq_pairs<T>(p.dq_accum, p.dq, dq_elems, static_cast<int>(p.heads_q), Tr::kD,
+                                 p.softmax_scale, stream);
+    }
+  }
   // With kDqStsm dq_accum holds each group of 8 columns in dq_accum_position's order.
   return convert_dq<T, Tr::kDqStsm>(p.dq_accum, p.dq, dq_elems, p.softmax_scale, stream);
 }

@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         bwd_dq_writer<Tr>(
             &tm_dq, base + Tr::kDqOffset + (warp - 1) * Tr::kDqWgBytes,
             reinterpret_cast<const BwdDqHandoff*>(smem + Tr::kHandoffOffset) + warp - 1,
-            args.dq_semaphores, warp - 1, lane);
+            args.dq_semaphores, warp - 1, lane, args.dq_pairs);
       }
       if (Tr::kSplitQ && n_iters > 0) {
         bwd_dq_writer_split<Tr>(&tm_dq, q_smem, do_smem, bar_empty(0), stats, cta_tile, args,
@@ -727,7 +727,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             __syncwarp();
           }
           if constexpr (Tr::kDqT) {
-            stage_dq_box_t<kBlockM>(stage_dq + (ctid % 128) / 32 * Tr::kDqBoxBytes, dq, ctid % 32);
+            uint8_t* const box = stage_dq + (ctid % 128) / 32 * Tr::kDqBoxBytes;
+            if (Tr::kDqPairs && args.dq_pairs) {
+              stage_dq_box_pairs<kBlockM>(box, dq, ctid % 32);
+            } else {
+              stage_dq_box_t<kBlockM>(box, dq, ctid % 32);
+            }
           } else {
             stage_dq_boxes<Tr::kDqCols, Tr::kDqStsm>(stage_dq, dq, ctid);
           }
@@ -759,9 +764,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
               if constexpr (Tr::kDqT) {
                 // The warp's own box: its 16 head-dim columns of every query row.
                 const int w = ctid % 128 / 32;
-                dq_reduce_boxes<1, Tr::kDqBoxRows, 1, Tr::kDqBoxBytes, Tr::kDqBoxCols>(
-                    &tm_dq, tc::smem_addr(stage_dq) + w * Tr::kDqBoxBytes,
-                    Tr::dq_col0(ctid / 128) + Tr::kDqBoxCols * w, head, at);
+                const uint32_t box = tc::smem_addr(stage_dq) + w * Tr::kDqBoxBytes;
+                const int col = Tr::dq_col0(ctid / 128) + Tr::kDqBoxCols * w;
+                if (Tr::kDqPairs && args.dq_pairs) {
+                  // dq_pair_position's view: pair rows, 32 floats a 16-column group.
+                  dq_reduce_boxes<1, Tr::kDqPairBoxRows, 1, Tr::kDqBoxBytes, Tr::kDqPairBoxCols>(
+                      &tm_dq, box, 2 * col, head, {at.row / 2, at.batch});
+                } else {
+                  dq_reduce_boxes<1, Tr::kDqBoxRows, 1, Tr::kDqBoxBytes, Tr::kDqBoxCols>(
+                      &tm_dq, box, col, head, at);
+                }
               } else {
                 dq_reduce_boxes<Tr::kDqBoxes, Tr::kDqBoxRows, 1>(&tm_dq, tc::smem_addr(stage_dq),
                                                                  Tr::dq_col0(ctid / 128), head, at,

@@ -148,6 +148,27 @@ __device__ __forceinline__ void stage_dq_box_t(uint8_t* box, const float (&dq)[k
   }
 }
 
+// The same warp's dQ^T in dq_pair_position's order (BwdWgmmaArgs::dq_pairs): its box is
+// [kRows / 2 pair rows x 32] float32 with the 128-byte swizzle, the thread's values of query pair
+// 4i + t, columns g and g + 8, one 16-byte chunk at dq_pair_chunk(g) ^ ((4i + t) % 8). A quarter
+// warp's 8 lanes (g in {2k, 2k + 1}, four pair rows) write 8 different chunk positions, so each
+// store takes the 4 wavefronts its 512 bytes need. The swizzle term is t ^ 4 (i % 2), so the
+// stores are two base addresses plus immediates (1024 bytes an i / 2).
+template <int kRows>
+__device__ __forceinline__ void stage_dq_box_pairs(uint8_t* box, const float (&dq)[kRows / 2],
+                                                   int lane) {
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const int chunk = dq_pair_chunk(g) ^ t;
+  uint8_t* const even = box + 128 * t + 16 * chunk;
+  uint8_t* const odd = box + 128 * t + 16 * (chunk ^ 4);
+#pragma unroll
+  for (int i = 0; i < kRows / 8; ++i) {
+    *reinterpret_cast<float4*>((i % 2 == 0 ? even : odd) + 512 * i) =
+        make_float4(dq[4 * i], dq[4 * i + 1], dq[4 * i + 2], dq[4 * i + 3]);
+  }
+}
+
 // Where a query tile's dQ rows start in the TMA map over dq_accum: dense maps index
 // [batch, seqlen], packed ones the [rows] view from the span's start.
 struct BwdDqRow {
@@ -269,7 +290,7 @@ __device__ __forceinline__ void dq_turn_pass(int32_t* sem) {
 template <class Tr>
 __device__ __forceinline__ void bwd_dq_writer(const CUtensorMap* tm_dq, uint32_t stage_dq,
                                               const BwdDqHandoff* handoff, int32_t* sems, int cw,
-                                              int lane) {
+                                              int lane, bool pairs) {
   named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
   for (;;) {
     named_barrier_sync(kBwdBarDqStagedBase + cw, kBwdDqHandoffThreads);
@@ -277,9 +298,16 @@ __device__ __forceinline__ void bwd_dq_writer(const CUtensorMap* tm_dq, uint32_t
     int32_t* const sem = sems + handoff->sem;
     if (lane == 0) {
       dq_turn_wait(sem, handoff->ticket);
-      dq_reduce_boxes<Tr::kDqBoxes, Tr::kDqBoxRows, Tr::kDqRows / Tr::kDqBoxRows, Tr::kDqBoxBytes,
-                      Tr::kDqBoxCols>(tm_dq, stage_dq, Tr::dq_col0(cw), handoff->head,
-                                      {handoff->row, handoff->batch});
+      if (Tr::kDqPairs && pairs) {
+        // The warps' pair boxes: the row and columns of dq_pair_position's view.
+        dq_reduce_boxes<Tr::kDqBoxes, Tr::kDqPairBoxRows, 1, Tr::kDqBoxBytes, Tr::kDqPairBoxCols>(
+            tm_dq, stage_dq, 2 * Tr::dq_col0(cw), handoff->head,
+            {handoff->row / 2, handoff->batch});
+      } else {
+        dq_reduce_boxes<Tr::kDqBoxes, Tr::kDqBoxRows, Tr::kDqRows / Tr::kDqBoxRows, Tr::kDqBoxBytes,
+                        Tr::kDqBoxCols>(tm_dq, stage_dq, Tr::dq_col0(cw), handoff->head,
+                                        {handoff->row, handoff->batch});
+      }
       dq_record_release(handoff);
       tma_commit();
       tma_wait_read();

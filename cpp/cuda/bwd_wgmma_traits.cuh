@@ -39,6 +39,10 @@ struct BwdWgmmaArgs {
   // x = q.k, score in log2 units softcap_log2 * t (kSoftcap kernels only).
   float softcap_scale;  // softmax_scale / softcap
   float softcap_log2;   // softcap * log2(e)
+  // kDqT kernels (JAX_FLASH_BWD_DQ_PAIRS) on a dense call with an even seqlen_q: dq_accum in the
+  // query-pair order of dq_convert.cuh (dq_pair_position), staged with one 16-byte store per
+  // query pair (stage_dq_box_pairs). Otherwise the natural order.
+  bool dq_pairs;
 };
 
 // Head_dim 64 with 128 queries per (query tile, key tile) pair (1) or 64 (0, the tile of head_dim
@@ -55,6 +59,15 @@ struct BwdWgmmaArgs {
 // (docs/PERF_LOG.md): the B=4 S=4096 unmasked backward +3.7% / +3.5% in two rounds.
 #ifndef JAX_FLASH_BWD_M80
 #define JAX_FLASH_BWD_M80 1
+#endif
+
+// kDqT's dq_accum on dense calls with an even seqlen_q (BwdWgmmaArgs::dq_pairs): 1, in the
+// query-pair order (dq_convert.cuh, dq_pair_position), where a thread's four dQ^T values of one
+// query pair and head-dim column pair are one 16-byte store and each warp's box is [40 pair rows x
+// 32] float32 with the 128-byte swizzle: 10 conflict-free stores a thread a pair instead of 40
+// 4-byte stores with two-way bank conflicts; 0, the natural order everywhere.
+#ifndef JAX_FLASH_BWD_DQ_PAIRS
+#define JAX_FLASH_BWD_DQ_PAIRS 0
 #endif
 
 // The pair's order (BwdWgmmaTraits::kLateP), bit 1 for head_dim 64, bit 2 for head_dim 128:
@@ -179,6 +192,11 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // 16 columns] (64-byte rows, the 64-byte swizzle), and the warpgroup's 4 boxes lie side by side.
   static constexpr int kDqBoxRows = kDqT ? kBlockM : kWarpDq ? 16 : kDqRows;
   static constexpr int kDqBoxCols = kDqT ? 16 : 32;
+  // kDqT with BwdWgmmaArgs::dq_pairs: the same warp's box as [kBlockM / 2 pair rows x 32]
+  // (128-byte rows, the 128-byte swizzle; its bytes kDqBoxBytes as before).
+  static constexpr bool kDqPairs = kDqT && JAX_FLASH_BWD_DQ_PAIRS != 0;
+  static constexpr int kDqPairBoxRows = kBlockM / 2;
+  static constexpr int kDqPairBoxCols = 32;
 
   // Consumers hold dK and dV (kDkCols / 2 registers each), S^T and dP^T (kSCols / 2 each), dQ
   // (kDqCols / 2) and the 16-bit P^T, dS^T (kSCols / 4 each). With 128-query tiles (kPair128)
@@ -286,6 +304,9 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   static_assert(kDqRows == 64 || kDqT, "dQ GEMMs have 64 query rows (one wgmma M extent)");
   static_assert((kDqBoxBytes == 8192 || kDqT) && (kQPanelBytes == 8192 || !kSplitQ),
                 "dq_reduce_boxes and stage_dq_boxes space the 32-column boxes 8 KB apart");
+  static_assert(!kDqPairs ||
+                    (kBlockM % 16 == 0 && kDqPairBoxRows * kDqPairBoxCols * 4 == kDqBoxBytes),
+                "a pair box holds whole k16 query steps and the warp's natural box's bytes");
   static_assert(kDkCols == 128 || kDkCols == 64, "dV / dK GEMMs are m64n128 or m64n64");
   static_assert(kSCols == 128 || kSCols == 80 || kSCols == 64 || kSCols == 32,
                 "S^T GEMMs are m64n128, m64n80, m64n64 or m64n32");

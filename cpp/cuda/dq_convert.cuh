@@ -21,6 +21,32 @@ JF_HOST_DEVICE constexpr int dq_accum_position(int col) {
   return (col & ~7) | ((col & 1) << 2) | ((col & 7) >> 1);
 }
 
+// The query-pair order of the wgmma backward's 80-query dQ^T staging (BwdWgmmaArgs::dq_pairs;
+// dense calls with an even seqlen_q): dq_accum is [batch, seqlen_q / 2, heads, 2 head_dim], a row
+// holding queries 2p and 2p + 1, and inside a row each aligned group of 16 head-dim columns of the
+// two queries is 32 floats. A thread of the dQ^T GEMM holds columns c and c + 8 (c < 8) of both
+// queries of a pair; they are one 16-byte chunk, at chunk dq_pair_chunk(c) of the group: columns
+// 2k and 2k + 1 sit four chunks apart, so that the 8 lanes of a quarter warp (two values of c,
+// four pair rows under the 128-byte swizzle) store to 8 different chunk positions. Inside the
+// chunk: (query 2p, c), (2p + 1, c), (2p, c + 8), (2p + 1, c + 8), the order of the thread's
+// accumulator registers.
+JF_HOST_DEVICE constexpr int dq_pair_chunk(int c) { return (c >> 1) | ((c & 1) << 2); }
+JF_HOST_DEVICE constexpr int dq_pair_position(int query_parity, int col) {
+  return 32 * (col >> 4) + 4 * dq_pair_chunk(col & 7) + 2 * ((col >> 3) & 1) + query_parity;
+}
+constexpr bool dq_pair_order_is_a_permutation() {
+  bool seen[32] = {};
+  for (int e = 0; e < 2; ++e) {
+    for (int col = 0; col < 16; ++col) {
+      const int at = dq_pair_position(e, col);
+      if (at < 0 || at >= 32 || seen[at]) return false;
+      seen[at] = true;
+    }
+  }
+  return true;
+}
+static_assert(dq_pair_order_is_a_permutation() && dq_pair_position(1, 31) == 63);
+
 // Elements per thread and step of the convert kernel over dq_accum_position's order: 8 (default),
 // one aligned group of 8 columns, two float4 reads 32 bytes apart a lane; or 4
 // (JAX_FLASH_DQ_CONVERT_PAIRS, an experiment switch), one float4 read a lane as in the natural
@@ -66,6 +92,42 @@ __global__ void dq_convert_kernel(const float4* __restrict__ dq_accum, T* __rest
                                                        tc::pack2<T>(a.y * scale, b.y * scale));
       reinterpret_cast<uint2*>(dq)[2 * i + 1] = make_uint2(tc::pack2<T>(a.z * scale, b.z * scale),
                                                            tc::pack2<T>(a.w * scale, b.w * scale));
+    }
+  }
+}
+
+// dQ = T(scale * dq_accum) from dq_pair_position's order: a thread and step per (pair row, head,
+// group of 16 columns), its 32 floats read as 8 float4 (128 contiguous bytes a lane) and written
+// as 16 columns of each of the two query rows (8-byte stores).
+template <typename T>
+__global__ void dq_convert_pairs_kernel(const float4* __restrict__ dq_accum, T* __restrict__ dq,
+                                        int64_t groups, int heads, int head_dim, float scale) {
+  const int col_groups = head_dim / 16;
+  for (int64_t n = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; n < groups;
+       n += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float4 chunk[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) chunk[j] = dq_accum[8 * n + j];
+    const int64_t row_head = n / col_groups;
+    const int col0 = static_cast<int>(n - row_head * col_groups) * 16;
+    const int64_t pair_row = row_head / heads;
+    const int64_t head = row_head - pair_row * heads;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float v[16];
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        const float4 a = chunk[dq_pair_chunk(c)];
+        v[c] = (e == 0 ? a.x : a.y) * scale;
+        v[c + 8] = (e == 0 ? a.z : a.w) * scale;
+      }
+      uint2* const out =
+          reinterpret_cast<uint2*>(dq + ((2 * pair_row + e) * heads + head) * head_dim + col0);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        out[k] = make_uint2(tc::pack2<T>(v[4 * k], v[4 * k + 1]),
+                            tc::pack2<T>(v[4 * k + 2], v[4 * k + 3]));
+      }
     }
   }
 }
@@ -140,6 +202,21 @@ cudaError_t convert_dq(const float* dq_accum, void* dq, int64_t elems, double sc
   const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 65536);
   dq_convert_kernel<T, kPermuted, kWidth><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       reinterpret_cast<const float4*>(dq_accum), static_cast<T*>(dq), n, static_cast<float>(scale));
+  return cudaGetLastError();
+}
+
+// dq = T(scale * dq_accum) over `elems` elements (rows_q x heads x head_dim, rows_q even) in
+// dq_pair_position's order, on `stream`.
+template <typename T>
+cudaError_t convert_dq_pairs(const float* dq_accum, void* dq, int64_t elems, int heads,
+                             int head_dim, double scale, cudaStream_t stream) {
+  if (elems == 0) return cudaSuccess;
+  constexpr int kThreads = 256;
+  const int64_t groups = elems / 32;
+  const int64_t blocks = std::min<int64_t>((groups + kThreads - 1) / kThreads, 65536);
+  dq_convert_pairs_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      reinterpret_cast<const float4*>(dq_accum), static_cast<T*>(dq), groups, heads, head_dim,
+      static_cast<float>(scale));
   return cudaGetLastError();
 }
 
