@@ -55,19 +55,22 @@ struct BwdWgmmaArgs {
 // (BwdWgmmaTraits::kDqT), FlashAttention-3's tile for those calls: S^T and dP^T are m64n80, dS is
 // stored K-major ([80 queries][128 keys], stmatrix.trans) and dQ_i is computed transposed, dQ^T =
 // K^T dS^T per warpgroup (its 64 head-dim columns x 80 queries), staged per warp in
-// 64-byte-swizzled [80 x 16] float32 boxes for the TMA reductions. Measured on an H100
+// 64-byte-swizzled [80 x 16] float32 boxes for the TMA reductions (or, JAX_FLASH_BWD_DQ_PAIRS,
+// [40 x 32] boxes of query pairs). Measured on an H100
 // (docs/PERF_LOG.md): the B=4 S=4096 unmasked backward +3.7% / +3.5% in two rounds.
 #ifndef JAX_FLASH_BWD_M80
 #define JAX_FLASH_BWD_M80 1
 #endif
 
-// kDqT's dq_accum on dense calls with an even seqlen_q (BwdWgmmaArgs::dq_pairs): 1, in the
-// query-pair order (dq_convert.cuh, dq_pair_position), where a thread's four dQ^T values of one
-// query pair and head-dim column pair are one 16-byte store and each warp's box is [40 pair rows x
-// 32] float32 with the 128-byte swizzle: 10 conflict-free stores a thread a pair instead of 40
-// 4-byte stores with two-way bank conflicts; 0, the natural order everywhere.
+// kDqT's dq_accum on dense calls with an even seqlen_q (BwdWgmmaArgs::dq_pairs): 1 (default), in
+// the query-pair order (dq_convert.cuh, dq_pair_position), where a thread's four dQ^T values of
+// one query pair and head-dim column pair are one 16-byte store and each warp's box is [40 pair
+// rows x 32] float32 with the 128-byte swizzle: 10 conflict-free stores a thread a pair instead of
+// 40 4-byte stores with two-way bank conflicts; 0, the natural order everywhere. Measured on an
+// H100 (docs/PERF_LOG.md): the B=4 S=4096 unmasked backward +1.6% to +3.9% in six rounds, the
+// unchanged causal kernels -3.0% to +2.9%.
 #ifndef JAX_FLASH_BWD_DQ_PAIRS
-#define JAX_FLASH_BWD_DQ_PAIRS 0
+#define JAX_FLASH_BWD_DQ_PAIRS 1
 #endif
 
 // The pair's order (BwdWgmmaTraits::kLateP), bit 1 for head_dim 64, bit 2 for head_dim 128:
