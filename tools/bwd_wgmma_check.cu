@@ -792,7 +792,9 @@ double time_case(const char* label, const Case& c) {
               c.hq, c.d, t * 1e3, flops / t * 1e-12, pairs);
   if (g_overheads) {
     // The call's two passes besides the main kernel, each alone, as bwd_wgmma issues them
-    // (dq_convert.cuh; the natural column order: the permuted one reads the same bytes).
+    // (dq_convert.cuh). The convert timed is the natural order's; the permuted column order and
+    // the 80-query kernels' query-pair order (convert_dq_pairs) read and write the same bytes
+    // in other patterns, not timed here.
     const int64_t elems = rows_q(c) * c.hq * c.d;
     const double zero_ms = median_ms(start, stop, [&] {
       CHECK_CUDA(jax_flash::cuda::zero_dq_accum(r.dq_accum, elems, nullptr));
