@@ -71,13 +71,15 @@ bool params_supported(const BwdParams& p, DType dtype) {
   return true;
 }
 
+// Every map of the backward promotes its L2 fills to 256 bytes.
+constexpr CUtensorMapL2promotion kL2 = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+
 // Dense calls get 4-D maps over [batch, seqlen, heads, D], whose rows past a sequence read as
 // zeros (and are not written); packed calls [rows, heads, D] views (batch 1), whose rows past a
 // sequence are the neighbour's and are zeroed by the kernel (read) or never reduced into (dQ).
 bool encode(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, const SeqLayout& l,
             bool keys, int64_t heads, int64_t head_dim, int box_rows, int elem_bytes = 2,
             int box_bytes = 128) {
-  constexpr CUtensorMapL2promotion kL2 = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   if (l.varlen()) {
     return encode_bshd(map, type, ptr, 1, keys ? l.total_k : l.total_q, heads, head_dim, box_rows,
                        elem_bytes, kL2, box_bytes);
@@ -117,8 +119,8 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
     std::memset(&tm_dq, 0, sizeof(tm_dq));
     const auto encode_dq = [&] {
       return pairs ? encode_bshd(&tm_dq, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.dq_accum, l.batch,
-                                 l.seqlen_q / 2, p.heads_q, 2 * Tr::kD, Tr::kDqPairBoxRows, 4,
-                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, Tr::kDqPairBoxCols * 4)
+                                 l.seqlen_q / 2, p.heads_q, 2 * Tr::kD, Tr::kDqPairBoxRows, 4, kL2,
+                                 Tr::kDqPairBoxCols * 4)
                    : encode(&tm_dq, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.dq_accum, l, false,
                             p.heads_q, Tr::kD, Tr::kDqBoxRows, 4, Tr::kDqBoxCols * 4);
     };

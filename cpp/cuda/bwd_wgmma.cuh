@@ -764,16 +764,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
               if constexpr (Tr::kDqT) {
                 // The warp's own box: its 16 head-dim columns of every query row.
                 const int w = ctid % 128 / 32;
-                const uint32_t box = tc::smem_addr(stage_dq) + w * Tr::kDqBoxBytes;
-                const int col = Tr::dq_col0(ctid / 128) + Tr::kDqBoxCols * w;
-                if (Tr::kDqPairs && args.dq_pairs) {
-                  // dq_pair_position's view: pair rows, 32 floats a 16-column group.
-                  dq_reduce_boxes<1, Tr::kDqPairBoxRows, 1, Tr::kDqBoxBytes, Tr::kDqPairBoxCols>(
-                      &tm_dq, box, 2 * col, head, {at.row / 2, at.batch});
-                } else {
-                  dq_reduce_boxes<1, Tr::kDqBoxRows, 1, Tr::kDqBoxBytes, Tr::kDqBoxCols>(
-                      &tm_dq, box, col, head, at);
-                }
+                dq_reduce_boxes_t<Tr, 1>(&tm_dq, tc::smem_addr(stage_dq) + w * Tr::kDqBoxBytes,
+                                         Tr::dq_col0(ctid / 128) + Tr::kDqBoxCols * w, head, at,
+                                         args.dq_pairs);
               } else {
                 dq_reduce_boxes<Tr::kDqBoxes, Tr::kDqBoxRows, 1>(&tm_dq, tc::smem_addr(stage_dq),
                                                                  Tr::dq_col0(ctid / 128), head, at,

@@ -207,6 +207,22 @@ __device__ __forceinline__ void dq_reduce_boxes(const CUtensorMap* tm_dq, uint32
   }
 }
 
+// kDqT: TMA reductions of kBoxes consecutive warp boxes (kDqBoxBytes apart from `src` on, 16
+// head-dim columns each from col0) into dq_accum, in the natural order or, with `pairs`
+// (BwdWgmmaArgs::dq_pairs), in dq_pair_position's view: pair rows, 32 floats a 16-column group.
+template <class Tr, int kBoxes>
+__device__ __forceinline__ void dq_reduce_boxes_t(const CUtensorMap* tm_dq, uint32_t src, int col0,
+                                                  int head, BwdDqRow at, bool pairs) {
+  static_assert(Tr::kDqT);
+  if (Tr::kDqPairs && pairs) {
+    dq_reduce_boxes<kBoxes, Tr::kDqPairBoxRows, 1, Tr::kDqBoxBytes, Tr::kDqPairBoxCols>(
+        tm_dq, src, 2 * col0, head, {at.row / 2, at.batch});
+  } else {
+    dq_reduce_boxes<kBoxes, Tr::kDqBoxRows, 1, Tr::kDqBoxBytes, Tr::kDqBoxCols>(tm_dq, src, col0,
+                                                                                head, at);
+  }
+}
+
 // kDqRecordMbar: consumer thread 0's side of a hand-off record. Before writing record k (the
 // record's own count, `seq`) it waits until the writer has read record k - 1 ...
 __device__ __forceinline__ void dq_record_claim(BwdDqHandoff* h) {
@@ -298,11 +314,9 @@ __device__ __forceinline__ void bwd_dq_writer(const CUtensorMap* tm_dq, uint32_t
     int32_t* const sem = sems + handoff->sem;
     if (lane == 0) {
       dq_turn_wait(sem, handoff->ticket);
-      if (Tr::kDqPairs && pairs) {
-        // The warps' pair boxes: the row and columns of dq_pair_position's view.
-        dq_reduce_boxes<Tr::kDqBoxes, Tr::kDqPairBoxRows, 1, Tr::kDqBoxBytes, Tr::kDqPairBoxCols>(
-            tm_dq, stage_dq, 2 * Tr::dq_col0(cw), handoff->head,
-            {handoff->row / 2, handoff->batch});
+      if constexpr (Tr::kDqT) {
+        dq_reduce_boxes_t<Tr, Tr::kDqBoxes>(tm_dq, stage_dq, Tr::dq_col0(cw), handoff->head,
+                                            {handoff->row, handoff->batch}, pairs);
       } else {
         dq_reduce_boxes<Tr::kDqBoxes, Tr::kDqBoxRows, Tr::kDqRows / Tr::kDqBoxRows, Tr::kDqBoxBytes,
                         Tr::kDqBoxCols>(tm_dq, stage_dq, Tr::dq_col0(cw), handoff->head,

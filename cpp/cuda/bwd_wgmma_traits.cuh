@@ -307,9 +307,8 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   static_assert(kDqRows == 64 || kDqT, "dQ GEMMs have 64 query rows (one wgmma M extent)");
   static_assert((kDqBoxBytes == 8192 || kDqT) && (kQPanelBytes == 8192 || !kSplitQ),
                 "dq_reduce_boxes and stage_dq_boxes space the 32-column boxes 8 KB apart");
-  static_assert(!kDqPairs ||
-                    (kBlockM % 16 == 0 && kDqPairBoxRows * kDqPairBoxCols * 4 == kDqBoxBytes),
-                "a pair box holds whole k16 query steps and the warp's natural box's bytes");
+  static_assert(!kDqPairs || kDqPairBoxRows * kDqPairBoxCols * 4 == kDqBoxBytes,
+                "a pair box holds the warp's natural box's bytes");
   static_assert(kDkCols == 128 || kDkCols == 64, "dV / dK GEMMs are m64n128 or m64n64");
   static_assert(kSCols == 128 || kSCols == 80 || kSCols == 64 || kSCols == 32,
                 "S^T GEMMs are m64n128, m64n80, m64n64 or m64n32");
