@@ -5,12 +5,14 @@
 //   nvcc -std=c++17 -O3 -I cpp -gencode=arch=compute_90a,code=sm_90a -DJAX_FLASH_BUILT_SM90A=1 \
 //       tools/wgmma_check.cu \
 //       cpp/cuda/fwd_wgmma.cu cpp/cuda/sm90_host.cu -o wgmma_check
-// Run: ./wgmma_check [--quick | --correct | --softmax | --time | --order | --cell D S causal|full]
+// Run: ./wgmma_check [--quick | --correct | --softmax | --time | --grid | --order |
+//                     --cell D S causal|full]
 //   --quick: a few small cases, no timing; for compute-sanitizer.
 //   --softmax: only the softmax-bound timing cells (part 3), no correctness cases; for comparing
 //   two builds back to back.
 //   --correct: part 1 only (every correctness case, no timing).
 //   --time: parts 2 and 3 only (no correctness cases).
+//   --grid: the dense cells of part 2 only.
 //   --order: the cells a launch order or the segment-id walk moves (timing only).
 //   --cell: one dense cell of part 2 (head_dim D, seqlen S, batch 16384 / S); for a profiler.
 //
@@ -972,6 +974,15 @@ int main(int argc, char** argv) {
   }
   if (argc > 1 && std::strcmp(argv[1], "--order") == 0) {
     time_order_cells();
+    return 0;
+  }
+  // --grid: the timing grid of part 2 alone (no correctness cases, no feature cells).
+  if (argc > 1 && std::strcmp(argv[1], "--grid") == 0) {
+    for (int head_dim : {128, 64, 256}) {
+      for (bool causal : {false, true}) {
+        for (int s : {1024, 2048, 4096, 16384}) time_grid_cell(head_dim, s, causal);
+      }
+    }
     return 0;
   }
   // --cell D S causal|full: one cell of the timing grid below (bf16, 16k tokens, hidden 2048),

@@ -75,8 +75,16 @@ int64_t visible_keys(const FwdParams& p) {
 }
 
 // The persistent forward (fwd_wgmma_persistent_kernel) runs where a tile's start-up is a large
-// share of its life: rows that see at most this many keys.
-constexpr int64_t kPersistentMaxKeys = 2048;
+// share of its life: rows that see at most this many keys (banded calls: _BAND; both can be moved
+// for A/B builds).
+#ifndef JAX_FLASH_FWD_PERSISTENT_MAX_KEYS
+#define JAX_FLASH_FWD_PERSISTENT_MAX_KEYS 2048
+#endif
+#ifndef JAX_FLASH_FWD_PERSISTENT_MAX_KEYS_BAND
+#define JAX_FLASH_FWD_PERSISTENT_MAX_KEYS_BAND JAX_FLASH_FWD_PERSISTENT_MAX_KEYS
+#endif
+constexpr int64_t kPersistentMaxKeys = JAX_FLASH_FWD_PERSISTENT_MAX_KEYS;
+constexpr int64_t kPersistentMaxKeysBand = JAX_FLASH_FWD_PERSISTENT_MAX_KEYS_BAND;
 
 // Whether calls the persistent form serves use it when JAX_FLASH_FWD_PERSISTENT is unset. On: the
 // GPU suite passed with it on over one CTA per SM and over 3 CTAs, racecheck and memcheck are
@@ -132,7 +140,9 @@ cudaError_t launch(const FwdParams& p, CUtensorMapDataType type, cudaStream_t st
   // tiles are decoded from cu_seqlens by a whole warp).
   int64_t persistent = 0;
   if constexpr (kHasPersistent) {
-    if (p.work_counter != nullptr && !l.varlen() && visible_keys(p) <= kPersistentMaxKeys) {
+    constexpr int64_t kMaxKeys =
+        kMask == FwdMask::kBand ? kPersistentMaxKeysBand : kPersistentMaxKeys;
+    if (p.work_counter != nullptr && !l.varlen() && visible_keys(p) <= kMaxKeys) {
       const int64_t ctas = persistent_ctas();
       if (ctas > 0 && args.order.ctas() > ctas) persistent = ctas;
     }

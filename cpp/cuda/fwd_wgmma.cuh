@@ -147,8 +147,12 @@ constexpr FwdWgmmaTile fwd_wgmma_tile(int head_dim, FwdMask mask, bool long_keys
   return {2, 80};
 }
 
-// Query rows that can see at least this many keys count as long_keys.
-inline constexpr int64_t kLongKeys = 4096;
+// Query rows that can see at least this many keys count as long_keys (JAX_FLASH_FWD_LONG_KEYS
+// moves the bound for A/B builds; it only changes which key block head_dim 128's band kernels use).
+#ifndef JAX_FLASH_FWD_LONG_KEYS
+#define JAX_FLASH_FWD_LONG_KEYS 4096
+#endif
+inline constexpr int64_t kLongKeys = JAX_FLASH_FWD_LONG_KEYS;
 
 // Kernels that also have a persistent form (fwd_wgmma_persistent_kernel), which serves short rows
 // only (never the long-keys variants): head_dim 64 and 128 without segment ids, with 128-key
