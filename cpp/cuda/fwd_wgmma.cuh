@@ -91,16 +91,6 @@ inline constexpr bool kFwdWgSkip = JAX_FLASH_FWD_WG_SKIP != 0;
 #define JAX_FLASH_FWD_PINGPONG 3
 #endif
 
-// Experiment switch: which head dims rescale O by a block's alpha after the wait for the P V GEMM
-// of the block before (FwdWgmmaTraits::kRescaleLate; bits as JAX_FLASH_FWD_PINGPONG's, head_dim
-// 256 never), as FlashAttention-3's intra-warpgroup overlap does up to head_dim 128, instead of in
-// the ping-pong turn just before that P V is issued. The same multiplications in the same order on
-// the same values either way (O's final value is bitwise the same); what moves is whether the
-// turn, which the other warpgroup waits for, holds kD / 2 FMULs a thread.
-#ifndef JAX_FLASH_FWD_RESCALE_LATE
-#define JAX_FLASH_FWD_RESCALE_LATE 0
-#endif
-
 // Everything a launch needs besides the four tensor maps, computed on the host.
 struct FwdWgmmaArgs {
   void* o;     // packed calls store the O rows of a tile that straddles a sequence end by hand
@@ -211,8 +201,6 @@ struct FwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // JAX_FLASH_FWD_PINGPONG).
   static constexpr int kHeadDimBit = kHeadDim == 64 ? 1 : kHeadDim == 128 ? 2 : 4;
   static constexpr bool kPingPong = (JAX_FLASH_FWD_PINGPONG & kHeadDimBit) != 0;
-  // O's rescale after the P V wait rather than in the turn (JAX_FLASH_FWD_RESCALE_LATE).
-  static constexpr bool kRescaleLate = (JAX_FLASH_FWD_RESCALE_LATE & kHeadDimBit) != 0 && kD <= 128;
   // One CTA runs many tiles in turn (fwd_wgmma_persistent_kernel): two Q buffers, used by
   // alternate tiles, so that the next tile's Q loads while this one's key blocks are computed.
   static constexpr bool kPersistent = kPersistentOn;
@@ -1033,9 +1021,8 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
             wgmma_fence();
             issue_qk<Tr>(s, q_desc, k_desc(stage));
             wgmma_commit();
-            // O's rescale for block it-1 is done here, hidden under the QK^T just issued (or, with
-            // kRescaleLate, at the end of the iteration before).
-            if constexpr (!Tr::kRescaleLate) rescale_acc();
+            // O's rescale for block it-1 is done here, hidden under the QK^T just issued.
+            rescale_acc();
             mbar_wait(bars.v_full(prev), phase_of(it - 1));
             wgmma_fence();
             issue_pv<Tr>(o, p, v_desc(prev));
@@ -1051,9 +1038,6 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
             fence_operand(o);
             fence_operand(p);
             release(bars.v_empty(prev));
-            // kRescaleLate: O holds the blocks up to it-1 now; this block's alpha brings it to the
-            // row max the next P V adds at.
-            if constexpr (Tr::kRescaleLate) rescale_acc();
             convert_p<kBlockN, T>(s, p);
           }
 
@@ -1062,7 +1046,7 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
             // Skipped steps after this warpgroup's blocks: this turn holds the next step's K.
             const bool more = kWgSkip && it < steps;
             if (more) mbar_wait(bars.k_full(stage_of(it)), phase_of(it));
-            if constexpr (!Tr::kRescaleLate) rescale_acc();
+            rescale_acc();
             mbar_wait(bars.v_full(last), phase_of(it - 1));
             turn_begin(false);
             wgmma_fence();
