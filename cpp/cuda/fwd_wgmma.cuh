@@ -91,6 +91,17 @@ inline constexpr bool kFwdWgSkip = JAX_FLASH_FWD_WG_SKIP != 0;
 #define JAX_FLASH_FWD_PINGPONG 3
 #endif
 
+// Experiment switch: the consumers' ring arithmetic in the cheap form (docs/PERF_LOG.md, fifth
+// session of 2026-12-06): a ring position's stage and parity as unsigned (a mask and a shift; the
+// signed division costs a sign fix-up chain) and a stage's K / V descriptors as stage 0's moved by
+// whole stages (desc_advance) instead of rebuilt from the stage's address. Under Nsight Compute
+// that chain of ~20 dependent uniform instructions sat inside the ping-pong turn, between the QK^T
+// issue and the V wait. 0 keeps the current form (SASS unchanged).
+#ifndef JAX_FLASH_FWD_RING_U32
+#define JAX_FLASH_FWD_RING_U32 0
+#endif
+inline constexpr bool kFwdRingU32 = JAX_FLASH_FWD_RING_U32 != 0;
+
 // Everything a launch needs besides the four tensor maps, computed on the host.
 struct FwdWgmmaArgs {
   void* o;     // packed calls store the O rows of a tile that straddles a sequence end by hand
@@ -674,8 +685,15 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
   const int q_buf = Tr::kPersistent ? cur.tile & 1 : 0;
   const uint32_t q_phase = Tr::kPersistent ? (cur.tile >> 1) & 1 : 0;
   const int ring = Tr::kPersistent ? cur.ring : 0;
-  const auto stage_of = [&](int i) { return (ring + i) % kStages; };
-  const auto phase_of = [&](int i) { return static_cast<uint32_t>(((ring + i) / kStages) & 1); };
+  // Ring positions are never negative (kFwdRingU32 relies on it).
+  const auto stage_of = [&](int i) {
+    if constexpr (kFwdRingU32) return static_cast<int>(static_cast<uint32_t>(ring + i) % kStages);
+    return (ring + i) % kStages;
+  };
+  const auto phase_of = [&](int i) {
+    if constexpr (kFwdRingU32) return (static_cast<uint32_t>(ring + i) / kStages) & 1u;
+    return static_cast<uint32_t>(((ring + i) / kStages) & 1);
+  };
   const uint32_t q_smem = base + Tr::kQOffset + q_buf * Tr::kQBytes;
   const uint32_t k_smem = base + Tr::kKOffset;
   const uint32_t v_smem = base + Tr::kVOffset;
@@ -881,10 +899,18 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
       };
 
       const uint64_t q_desc = smem_desc_sw128(q_smem + cw * 64 * Tr::kRowBytes, 16);
+      const uint64_t k_desc0 = smem_desc_sw128(k_smem, 16);
+      const uint64_t v_desc0 = smem_desc_sw128(v_smem, Tr::kKVPanelBytes);
       const auto k_desc = [&](int stage) {
+        if constexpr (kFwdRingU32) {
+          return desc_advance(k_desc0, static_cast<uint32_t>(stage) * Tr::kKVStageBytes);
+        }
         return smem_desc_sw128(k_smem + stage * Tr::kKVStageBytes, 16);
       };
       const auto v_desc = [&](int stage) {
+        if constexpr (kFwdRingU32) {
+          return desc_advance(v_desc0, static_cast<uint32_t>(stage) * Tr::kKVStageBytes);
+        }
         return smem_desc_sw128(v_smem + stage * Tr::kKVStageBytes, Tr::kKVPanelBytes);
       };
 
