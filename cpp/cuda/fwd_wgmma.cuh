@@ -102,6 +102,14 @@ inline constexpr bool kFwdWgSkip = JAX_FLASH_FWD_WG_SKIP != 0;
 #endif
 inline constexpr bool kFwdRingU32 = JAX_FLASH_FWD_RING_U32 != 0;
 
+// Experiment switch: the second row's max tied to one of the first row's P (online_softmax), so
+// that ptxas issues its FMNMX among the first row's exp2s instead of all 2 x kBlockN / 4 before
+// the first exp2 (the order FlashAttention-3's SASS has). The results are bitwise the same.
+#ifndef JAX_FLASH_FWD_ROW_MAX_TIED
+#define JAX_FLASH_FWD_ROW_MAX_TIED 0
+#endif
+inline constexpr bool kFwdRowMaxTied = JAX_FLASH_FWD_ROW_MAX_TIED != 0;
+
 // Everything a launch needs besides the four tensor maps, computed on the host.
 struct FwdWgmmaArgs {
   void* o;     // packed calls store the O rows of a tile that straddles a sequence end by hand
@@ -454,9 +462,18 @@ __device__ __forceinline__ void advance_row(float (&s)[kBlockN / 2], int r, floa
 template <int kBlockN>
 __device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 2], float (&m)[2],
                                                float (&l)[2], float (&alpha)[2], float scale) {
+  if constexpr (kFwdRowMaxTied) {
+    advance_row<kBlockN>(s, 0, fmaxf(m[0], row_max<kBlockN>(s, 0) * scale), m, l, alpha, scale);
+    // s[8] is now one of row 0's P: -inf + 0 * P is -inf (or NaN, which fmaxf ignores), so row 1's
+    // max is unchanged but cannot be computed before that P.
+    const float tie = -CUDART_INF_F + 0.f * s[8];
+    advance_row<kBlockN>(s, 1, fmaxf(m[1], fmaxf(tie, row_max<kBlockN>(s, 1)) * scale), m, l, alpha,
+                         scale);
+  } else {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    advance_row<kBlockN>(s, r, fmaxf(m[r], row_max<kBlockN>(s, r) * scale), m, l, alpha, scale);
+    for (int r = 0; r < 2; ++r) {
+      advance_row<kBlockN>(s, r, fmaxf(m[r], row_max<kBlockN>(s, r) * scale), m, l, alpha, scale);
+    }
   }
 }
 
