@@ -91,25 +91,6 @@ inline constexpr bool kFwdWgSkip = JAX_FLASH_FWD_WG_SKIP != 0;
 #define JAX_FLASH_FWD_PINGPONG 3
 #endif
 
-// Experiment switch: the consumers' ring arithmetic in the cheap form (docs/PERF_LOG.md, fifth
-// session of 2026-12-06): a ring position's stage and parity as unsigned (a mask and a shift; the
-// signed division costs a sign fix-up chain) and a stage's K / V descriptors as stage 0's moved by
-// whole stages (desc_advance) instead of rebuilt from the stage's address. Under Nsight Compute
-// that chain of ~20 dependent uniform instructions sat inside the ping-pong turn, between the QK^T
-// issue and the V wait. 0 keeps the current form (SASS unchanged).
-#ifndef JAX_FLASH_FWD_RING_U32
-#define JAX_FLASH_FWD_RING_U32 0
-#endif
-inline constexpr bool kFwdRingU32 = JAX_FLASH_FWD_RING_U32 != 0;
-
-// Experiment switch: the second row's max tied to one of the first row's P (online_softmax), so
-// that ptxas issues its FMNMX among the first row's exp2s instead of all 2 x kBlockN / 4 before
-// the first exp2 (the order FlashAttention-3's SASS has). The results are bitwise the same.
-#ifndef JAX_FLASH_FWD_ROW_MAX_TIED
-#define JAX_FLASH_FWD_ROW_MAX_TIED 0
-#endif
-inline constexpr bool kFwdRowMaxTied = JAX_FLASH_FWD_ROW_MAX_TIED != 0;
-
 // Everything a launch needs besides the four tensor maps, computed on the host.
 struct FwdWgmmaArgs {
   void* o;     // packed calls store the O rows of a tile that straddles a sequence end by hand
@@ -462,18 +443,9 @@ __device__ __forceinline__ void advance_row(float (&s)[kBlockN / 2], int r, floa
 template <int kBlockN>
 __device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 2], float (&m)[2],
                                                float (&l)[2], float (&alpha)[2], float scale) {
-  if constexpr (kFwdRowMaxTied) {
-    advance_row<kBlockN>(s, 0, fmaxf(m[0], row_max<kBlockN>(s, 0) * scale), m, l, alpha, scale);
-    // s[8] is now one of row 0's P: -inf + 0 * P is -inf (or NaN, which fmaxf ignores), so row 1's
-    // max is unchanged but cannot be computed before that P.
-    const float tie = -CUDART_INF_F + 0.f * s[8];
-    advance_row<kBlockN>(s, 1, fmaxf(m[1], fmaxf(tie, row_max<kBlockN>(s, 1)) * scale), m, l, alpha,
-                         scale);
-  } else {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      advance_row<kBlockN>(s, r, fmaxf(m[r], row_max<kBlockN>(s, r) * scale), m, l, alpha, scale);
-    }
+  for (int r = 0; r < 2; ++r) {
+    advance_row<kBlockN>(s, r, fmaxf(m[r], row_max<kBlockN>(s, r) * scale), m, l, alpha, scale);
   }
 }
 
@@ -702,15 +674,8 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
   const int q_buf = Tr::kPersistent ? cur.tile & 1 : 0;
   const uint32_t q_phase = Tr::kPersistent ? (cur.tile >> 1) & 1 : 0;
   const int ring = Tr::kPersistent ? cur.ring : 0;
-  // Ring positions are never negative (kFwdRingU32 relies on it).
-  const auto stage_of = [&](int i) {
-    if constexpr (kFwdRingU32) return static_cast<int>(static_cast<uint32_t>(ring + i) % kStages);
-    return (ring + i) % kStages;
-  };
-  const auto phase_of = [&](int i) {
-    if constexpr (kFwdRingU32) return (static_cast<uint32_t>(ring + i) / kStages) & 1u;
-    return static_cast<uint32_t>(((ring + i) / kStages) & 1);
-  };
+  const auto stage_of = [&](int i) { return (ring + i) % kStages; };
+  const auto phase_of = [&](int i) { return static_cast<uint32_t>(((ring + i) / kStages) & 1); };
   const uint32_t q_smem = base + Tr::kQOffset + q_buf * Tr::kQBytes;
   const uint32_t k_smem = base + Tr::kKOffset;
   const uint32_t v_smem = base + Tr::kVOffset;
@@ -916,18 +881,10 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
       };
 
       const uint64_t q_desc = smem_desc_sw128(q_smem + cw * 64 * Tr::kRowBytes, 16);
-      const uint64_t k_desc0 = smem_desc_sw128(k_smem, 16);
-      const uint64_t v_desc0 = smem_desc_sw128(v_smem, Tr::kKVPanelBytes);
       const auto k_desc = [&](int stage) {
-        if constexpr (kFwdRingU32) {
-          return desc_advance(k_desc0, static_cast<uint32_t>(stage) * Tr::kKVStageBytes);
-        }
         return smem_desc_sw128(k_smem + stage * Tr::kKVStageBytes, 16);
       };
       const auto v_desc = [&](int stage) {
-        if constexpr (kFwdRingU32) {
-          return desc_advance(v_desc0, static_cast<uint32_t>(stage) * Tr::kKVStageBytes);
-        }
         return smem_desc_sw128(v_smem + stage * Tr::kKVStageBytes, Tr::kKVPanelBytes);
       };
 
