@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // warp-uniform, which keeps the producer's code below on uniform registers: with a plain
     // branch on `warp` its values move to the 24 vector registers and spill.
     if (__all_sync(0xffffffffu, warp >= 1 && warp <= Tr::kConsumerWarpgroups)) {
-      if (Tr::kDqStaged && args.dq_semaphores != nullptr && n_iters > 0) {
+      if (Tr::kDqStaged && (kDqWriterAlways || args.dq_semaphores != nullptr) && n_iters > 0) {
         bwd_dq_writer<Tr>(
             &tm_dq, base + Tr::kDqOffset + (warp - 1) * Tr::kDqWgBytes,
             reinterpret_cast<const BwdDqHandoff*>(smem + Tr::kHandoffOffset) + warp - 1,
@@ -712,6 +712,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // kDqCols cw + 8i + 2t + e of the head) or, kDqSplitRows, the rows (tile row
         // kDqRows cw + 16 warp + g + 8r).
         const bool in_order = args.dq_semaphores != nullptr;
+        const bool to_writer = kDqWriterAlways || in_order;
         if ((flags & kPairZeroRows) == 0) {
           // Staged for a TMA reduction. Rows past a dense sequence are clipped by the map; a
           // packed tile's rows past its sequence take the path below.
@@ -719,7 +720,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           // In order, the writer warp reduces the buffer; it must have read the previous tile.
           // Otherwise each warp's lane 0 issued the reductions and waits for them here.
           static_assert(Tr::kWarpDq);
-          if (in_order) {
+          if (to_writer) {
             named_barrier_sync(kBwdBarDqFreeBase + ctid / 128, kBwdDqHandoffThreads);
           } else {
             // The warp's rows of the buffer were read by its previous reduction.
@@ -737,7 +738,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             stage_dq_boxes<Tr::kDqCols, Tr::kDqStsm>(stage_dq, dq, ctid);
           }
           fence_proxy_async_smem();
-          if (in_order) {
+          if (to_writer) {
             // The arrival orders the staging (and thread 0's record) before the writer's reads.
             if (ctid % 128 == 0) {
               BwdDqHandoff* const h =
@@ -745,11 +746,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
               const BwdDqRow at = bwd_dq_row(*cta_tile, packed_layout, runs_tile,
                                              args.layout.seqlen_q, m0 + Tr::dq_row0(ctid / 128));
               dq_record_claim(h);
-              h->sem = dq_offset / kD * kDqCounters + ctid / 128;
+              // (The turn's counter and ticket only in the deterministic order.)
+              const bool turns = !kDqWriterAlways || in_order;
+              if (turns) h->sem = dq_offset / kD * kDqCounters + ctid / 128;
               h->row = at.row;
               h->batch = at.batch;
               h->head = head;
-              h->ticket = dq_ticket(cta_tile->mask, m0, rows, cta_tile->n0, kBlockN);
+              if (turns) h->ticket = dq_ticket(cta_tile->mask, m0, rows, cta_tile->n0, kBlockN);
               h->end = 0;
               dq_record_publish(h);
             }
@@ -803,7 +806,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       named_barrier_sync(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
       named_barrier_arrive(kBwdBarDqStagedBase + cw, kBwdDqHandoffThreads);
     }
-    if (Tr::kDqStaged && args.dq_semaphores != nullptr) {
+    if (Tr::kDqStaged && (kDqWriterAlways || args.dq_semaphores != nullptr)) {
       const int etid = fresh_thread_index() - 128;
       named_barrier_sync(kBwdBarDqFreeBase + etid / 128, kBwdDqHandoffThreads);
       if (etid % 128 == 0) {

@@ -310,10 +310,17 @@ __device__ __forceinline__ void bwd_dq_writer(const CUtensorMap* tm_dq, uint32_t
   named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
   for (;;) {
     named_barrier_sync(kBwdBarDqStagedBase + cw, kBwdDqHandoffThreads);
-    if (dq_record_take(handoff, lane)) return;
-    int32_t* const sem = sems + handoff->sem;
+    // Without counters (kDqWriterAlways outside the deterministic order) there are no turns.
+    const bool ordered = !kDqWriterAlways || sems != nullptr;
+    if (dq_record_take(handoff, lane)) {
+      // Nothing waited for the unordered reductions' writes: none stays in flight when the CTA
+      // retires.
+      if (!ordered && lane == 0) tma_wait_all();
+      return;
+    }
+    int32_t* const sem = ordered ? sems + handoff->sem : nullptr;
     if (lane == 0) {
-      dq_turn_wait(sem, handoff->ticket);
+      if (ordered) dq_turn_wait(sem, handoff->ticket);
       if constexpr (Tr::kDqT) {
         dq_reduce_boxes_t<Tr, Tr::kDqBoxes>(tm_dq, stage_dq, Tr::dq_col0(cw), handoff->head,
                                             {handoff->row, handoff->batch}, pairs);
@@ -328,7 +335,7 @@ __device__ __forceinline__ void bwd_dq_writer(const CUtensorMap* tm_dq, uint32_t
     }
     __syncwarp();
     named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
-    if (lane == 0) dq_turn_pass(sem);
+    if (lane == 0 && ordered) dq_turn_pass(sem);
     // The barriers are warp-collective: the warp meets again before the next one.
     __syncwarp();
   }

@@ -107,6 +107,15 @@ struct BwdWgmmaArgs {
 #endif
 inline constexpr bool kBwdPrefetchAtEntry = JAX_FLASH_BWD_PREFETCH_AT_ENTRY != 0;
 
+// Experiment switch: every call's staged dQ_i goes to the writer warps (bwd_dq_writer), which
+// issue the TMA reductions, as the deterministic order does but without its turns; clear, outside
+// that order each consumer warp's lane 0 issues its own box's reductions and waits for their reads
+// before the next staging (docs/PERF_LOG.md: the consumers' dQ section beside FA3's writer warp).
+#ifndef JAX_FLASH_BWD_DQ_WRITER
+#define JAX_FLASH_BWD_DQ_WRITER 0
+#endif
+inline constexpr bool kDqWriterAlways = JAX_FLASH_BWD_DQ_WRITER != 0;
+
 // How the deterministic order's hand-off record (BwdDqHandoff) is ordered between a consumer
 // warpgroup and its writer warp: 0 (default), by the staged / free named barriers alone, which
 // order the staging buffer too; 1, by a pair of mbarriers per record besides them (written:
