@@ -464,6 +464,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
       wgmma_commit();
 
+      // kLseEarly: the pair's lse at this thread's query columns loaded now, under the wait.
+      float2 lse_pre[Tr::kLseEarly ? kSCols / 8 : 1];
+      if constexpr (Tr::kLseEarly) load_pair_stats(lse_pre, stage_lse(stage) + q0, t);
+      float2 delta_pre[Tr::kDeltaEarly ? kSCols / 8 : 1];
+      if constexpr (Tr::kDeltaWithLse) load_pair_stats(delta_pre, stage_delta(stage), t);
       // Groups retire in order: with dP^T pending, S^T is done.
       wgmma_wait<1>();
       fence_operand(s);
@@ -478,11 +483,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                               kMasked && (flags & kPairSegments) != 0, kvid_s, key, q0, t);
         }
       } else if (flags & kPairMasked) {
-        bwd_probs<Tr, true>(s, p, wh, stage_lse(stage) + q0, stage_qid(stage) + q0, hdr->mask,
-                            kMasked && (flags & kPairSegments) != 0, kvid_s, key, q0, t, args);
+        bwd_probs<Tr, true, Tr::kLseEarly>(s, p, wh, stage_lse(stage) + q0, stage_qid(stage) + q0,
+                                           hdr->mask, kMasked && (flags & kPairSegments) != 0,
+                                           kvid_s, key, q0, t, args, lse_pre);
       } else {
-        bwd_probs<Tr, false>(s, p, wh, stage_lse(stage) + q0, stage_qid(stage) + q0, hdr->mask,
-                             false, kvid_s, key, q0, t, args);
+        bwd_probs<Tr, false, Tr::kLseEarly>(s, p, wh, stage_lse(stage) + q0, stage_qid(stage) + q0,
+                                            hdr->mask, false, kvid_s, key, q0, t, args, lse_pre);
       }
 
       // Two buffers of each exchanged tile alternate: a warpgroup can only reach pair slot + 2
@@ -602,6 +608,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // (head_dim contiguous, as V in the forward's O += P V); it runs under the dS math, the
         // dS^T stores and the barrier below. With kPackedFactor dP^T's second half goes first;
         // kLateP issues dV after the dS^T stores (below), its P^T not yet converted here.
+        // kDeltaEarly: the pair's delta loaded first, to arrive under the issue and the wait.
+        if constexpr (Tr::kDeltaEarly && !Tr::kDeltaWithLse) {
+          load_pair_stats(delta_pre, stage_delta(stage), t);
+        }
         if constexpr (!Tr::kLateP) {
           wgmma_fence();
           if constexpr (Tr::kPackedFactor) {
@@ -635,10 +645,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           // the only group in flight).
           wgmma_wait<Tr::kLateP ? 0 : 1>();
           fence_operand(dp);
+          constexpr int kI = kSCols / 8;
           if (flags & kPairMasked) {
-            bwd_dscores<Tr, true>(dp, s, wh, stage_delta(stage), t);
+            bwd_dscores<Tr, true, 0, kI, Tr::kDeltaEarly>(dp, s, wh, stage_delta(stage), t,
+                                                          delta_pre);
           } else {
-            bwd_dscores<Tr, false>(dp, s, wh, stage_delta(stage), t);
+            bwd_dscores<Tr, false, 0, kI, Tr::kDeltaEarly>(dp, s, wh, stage_delta(stage), t,
+                                                           delta_pre);
           }
         }
         if constexpr (Tr::kLateP) convert_p<kBlockM, T>(s, p);

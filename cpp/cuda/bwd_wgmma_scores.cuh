@@ -23,6 +23,14 @@ __device__ __forceinline__ int fresh_thread_index() {
   return tid;
 }
 
+// A pair's lse or delta at a thread's query columns 8i + 2t and 8i + 2t + 1 of the stage's row
+// `s`, loaded into registers ahead of their use (kLseEarly / kDeltaEarly), before a GEMM wait.
+template <int kN>
+__device__ __forceinline__ void load_pair_stats(float2 (&v)[kN], const float* s, int t) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) v[i] = *reinterpret_cast<const float2*>(s + 8 * i + 2 * t);
+}
+
 // Zeroes rows [row0, kRows) of kTensors swizzled tiles (kPanels panels of kRows 128-byte rows,
 // kTensorStride bytes apart), one 16-byte chunk per store, over the 256 consumer threads. The
 // swizzle only permutes the chunks inside a row, so whole rows are zeroed regardless of it. The
@@ -104,13 +112,16 @@ __device__ __forceinline__ void bwd_mask_packed(uint32_t (&p)[Tr::kSCols / 16][4
 // later convert_p of s, which then holds P). With kMask, elements the TileMask
 // (or, with `seg`, the segment ids) hides are selected to 0, never multiplied, so a NaN there
 // cannot leak.
-template <class Tr, bool kMask>
+// kPre: the lse values were loaded ahead (lse_pre[i] = lse_s[8i + 2t], [8i + 2t + 1];
+// BwdWgmmaTraits::kLseEarly, load_pair_stats).
+template <class Tr, bool kMask, bool kPre = false>
 __device__ __forceinline__ void bwd_probs(float (&s)[Tr::kSCols / 2],
                                           uint32_t (&p)[Tr::kSCols / 16][4],
                                           uint32_t (&wh)[Tr::kSCols / 16][4], const float* lse_s,
                                           const int* qid_s, const TileMask tm, bool seg,
                                           const int* kvid_s, int key, int q0, int t,
-                                          const BwdWgmmaArgs& args) {
+                                          const BwdWgmmaArgs& args,
+                                          const float2* lse_pre = nullptr) {
   using T = typename Tr::Element;
   static_assert(!(kMask && Tr::kPackedFactor), "kPackedFactor masks afterwards (bwd_mask_packed)");
   // The band as a window of query offsets per accumulator row r: query q0 + 2t + o sees key
@@ -131,7 +142,7 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Tr::kSCols / 2],
   }
 #pragma unroll
   for (int i = 0; i < Tr::kSCols / 8; ++i) {
-    const float2 l2 = *reinterpret_cast<const float2*>(lse_s + 8 * i + 2 * t);
+    const float2 l2 = kPre ? lse_pre[i] : *reinterpret_cast<const float2*>(lse_s + 8 * i + 2 * t);
     int2 qid = make_int2(0, 0);
     if (kMask && seg) qid = *reinterpret_cast<const int2*>(qid_s + 8 * i + 2 * t);
 #pragma unroll
@@ -180,14 +191,17 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Tr::kSCols / 2],
 // factor bwd_probs left in s, or with kPackedFactor in wh) for P^T. With kMask every masked element
 // has w = 0 and is selected to 0, since dP^T there may come from a neighbour's V rows; a visible
 // element whose P underflowed to 0 gets 0 either way.
-template <class Tr, bool kMask, int kI0 = 0, int kI1 = Tr::kSCols / 8>
+// kPre: the delta values were loaded ahead, as bwd_probs's lse (kDeltaEarly).
+template <class Tr, bool kMask, int kI0 = 0, int kI1 = Tr::kSCols / 8, bool kPre = false>
 __device__ __forceinline__ void bwd_dscores(float (&dp)[Tr::kSCols / 2],
                                             const float (&w)[Tr::kSCols / 2],
                                             const uint32_t (&wh)[Tr::kSCols / 16][4],
-                                            const float* delta_s, int t) {
+                                            const float* delta_s, int t,
+                                            const float2* delta_pre = nullptr) {
 #pragma unroll
   for (int i = kI0; i < kI1; ++i) {
-    const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * i + 2 * t);
+    const float2 dl =
+        kPre ? delta_pre[i] : *reinterpret_cast<const float2*>(delta_s + 8 * i + 2 * t);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float w0, w1;

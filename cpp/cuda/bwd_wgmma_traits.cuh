@@ -116,6 +116,16 @@ inline constexpr bool kBwdPrefetchAtEntry = JAX_FLASH_BWD_PREFETCH_AT_ENTRY != 0
 #endif
 inline constexpr bool kDqWriterAlways = JAX_FLASH_BWD_DQ_WRITER != 0;
 
+// Experiment switch: where a pair's lse and delta reach the consumers' registers. 0 (default),
+// each read from the stage where the P^T / dS^T math uses it; bit 1, lse loaded before the wait
+// for S^T; bit 2, delta loaded right after the P^T math, before the dV GEMM's issue and the wait
+// for dP^T; bit 4, delta loaded with lse (docs/PERF_LOG.md: the first use of each carried a
+// short-scoreboard stall). Only kernels with 64-query pairs and neither split queries nor the
+// packed factor, i.e. head_dim 128's masked and soft-capped ones: 8 values of each a thread.
+#ifndef JAX_FLASH_BWD_STATS_EARLY
+#define JAX_FLASH_BWD_STATS_EARLY 0
+#endif
+
 // How the deterministic order's hand-off record (BwdDqHandoff) is ordered between a consumer
 // warpgroup and its writer warp: 0 (default), by the staged / free named barriers alone, which
 // order the staging buffer too; 1, by a pair of mbarriers per record besides them (written:
@@ -238,6 +248,15 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   static constexpr int kLatePBits = kD == 64 ? 1 : kMasked ? 2 : 2 | 4;
   static constexpr bool kLateP = !kSplitQ && !kSoftcap && (JAX_FLASH_BWD_LATE_P & kLatePBits) != 0;
   static constexpr bool kPackedFactor = kPair128 && !kLateP;
+  // JAX_FLASH_BWD_STATS_EARLY: lse / delta loaded into registers ahead of their use.
+  static constexpr bool kLseEarly =
+      (JAX_FLASH_BWD_STATS_EARLY & 1) != 0 && kSCols <= 64 && !kPackedFactor && !kSplitQ;
+  static constexpr bool kDeltaEarly =
+      (JAX_FLASH_BWD_STATS_EARLY & 6) != 0 && kSCols <= 64 && !kPackedFactor && !kSplitQ;
+  // (Bit 4: delta loaded with lse, before the wait for S^T; not soft-capped, where ptxas then
+  // spills 116 bytes, and there as with bit 2.)
+  static constexpr bool kDeltaWithLse =
+      kDeltaEarly && (JAX_FLASH_BWD_STATS_EARLY & 4) != 0 && !kIsSoftcap;
   // kDqFirst (head_dim 256, JAX_FLASH_BWD_DQ_FIRST): the first dQ half is issued before dV and
   // dK, so that it is done, and staged, while dK still runs, and the second half queues behind
   // dK instead of after the staging. The halves then trade places: the first is staged in the
