@@ -464,9 +464,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
       wgmma_commit();
 
-      // kLseEarly: the pair's lse at this thread's query columns loaded now, under the wait.
-      float2 lse_pre[Tr::kLseEarly ? kSCols / 8 : 1];
-      if constexpr (Tr::kLseEarly) load_pair_stats(lse_pre, stage_lse(stage) + q0, t);
+      // kLseAhead: the pair's lse at this thread's query columns loaded now, under the wait.
+      float2 lse_pre[Tr::kLseAhead > 0 ? Tr::kLseAhead : 1];
+      if constexpr (Tr::kLseAhead > 0) load_pair_stats(lse_pre, stage_lse(stage) + q0, t);
       float2 delta_pre[Tr::kDeltaEarly ? kSCols / 8 : 1];
       if constexpr (Tr::kDeltaWithLse) load_pair_stats(delta_pre, stage_delta(stage), t);
       // Groups retire in order: with dP^T pending, S^T is done.
@@ -483,11 +483,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                               kMasked && (flags & kPairSegments) != 0, kvid_s, key, q0, t);
         }
       } else if (flags & kPairMasked) {
-        bwd_probs<Tr, true, Tr::kLseEarly>(s, p, wh, stage_lse(stage) + q0, stage_qid(stage) + q0,
+        bwd_probs<Tr, true, Tr::kLseAhead>(s, p, wh, stage_lse(stage) + q0, stage_qid(stage) + q0,
                                            hdr->mask, kMasked && (flags & kPairSegments) != 0,
                                            kvid_s, key, q0, t, args, lse_pre);
       } else {
-        bwd_probs<Tr, false, Tr::kLseEarly>(s, p, wh, stage_lse(stage) + q0, stage_qid(stage) + q0,
+        bwd_probs<Tr, false, Tr::kLseAhead>(s, p, wh, stage_lse(stage) + q0, stage_qid(stage) + q0,
                                             hdr->mask, false, kvid_s, key, q0, t, args, lse_pre);
       }
 

@@ -24,7 +24,8 @@ __device__ __forceinline__ int fresh_thread_index() {
 }
 
 // A pair's lse or delta at a thread's query columns 8i + 2t and 8i + 2t + 1 of the stage's row
-// `s`, loaded into registers ahead of their use (kLseEarly / kDeltaEarly), before a GEMM wait.
+// `s`, for i < kN, loaded into registers ahead of their use (kLseAhead / kDeltaEarly), before a
+// GEMM wait.
 template <int kN>
 __device__ __forceinline__ void load_pair_stats(float2 (&v)[kN], const float* s, int t) {
 #pragma unroll
@@ -112,9 +113,9 @@ __device__ __forceinline__ void bwd_mask_packed(uint32_t (&p)[Tr::kSCols / 16][4
 // later convert_p of s, which then holds P). With kMask, elements the TileMask
 // (or, with `seg`, the segment ids) hides are selected to 0, never multiplied, so a NaN there
 // cannot leak.
-// kPre: the lse values were loaded ahead (lse_pre[i] = lse_s[8i + 2t], [8i + 2t + 1];
-// BwdWgmmaTraits::kLseEarly, load_pair_stats).
-template <class Tr, bool kMask, bool kPre = false>
+// kPre: the first kPre lse pairs were loaded ahead (lse_pre[i] = lse_s[8i + 2t], [8i + 2t + 1];
+// BwdWgmmaTraits::kLseAhead, load_pair_stats).
+template <class Tr, bool kMask, int kPre = 0>
 __device__ __forceinline__ void bwd_probs(float (&s)[Tr::kSCols / 2],
                                           uint32_t (&p)[Tr::kSCols / 16][4],
                                           uint32_t (&wh)[Tr::kSCols / 16][4], const float* lse_s,
@@ -142,7 +143,8 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Tr::kSCols / 2],
   }
 #pragma unroll
   for (int i = 0; i < Tr::kSCols / 8; ++i) {
-    const float2 l2 = kPre ? lse_pre[i] : *reinterpret_cast<const float2*>(lse_s + 8 * i + 2 * t);
+    const float2 l2 =
+        i < kPre ? lse_pre[i] : *reinterpret_cast<const float2*>(lse_s + 8 * i + 2 * t);
     int2 qid = make_int2(0, 0);
     if (kMask && seg) qid = *reinterpret_cast<const int2*>(qid_s + 8 * i + 2 * t);
 #pragma unroll

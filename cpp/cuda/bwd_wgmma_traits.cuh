@@ -119,9 +119,10 @@ inline constexpr bool kDqWriterAlways = JAX_FLASH_BWD_DQ_WRITER != 0;
 // Experiment switch: where a pair's lse and delta reach the consumers' registers. 0 (default),
 // each read from the stage where the P^T / dS^T math uses it; bit 1, lse loaded before the wait
 // for S^T; bit 2, delta loaded right after the P^T math, before the dV GEMM's issue and the wait
-// for dP^T; bit 4, delta loaded with lse (docs/PERF_LOG.md: the first use of each carried a
-// short-scoreboard stall). Only kernels with 64-query pairs and neither split queries nor the
-// packed factor, i.e. head_dim 128's masked and soft-capped ones: 8 values of each a thread.
+// for dP^T; bit 4, delta loaded with lse; bit 8, with bit 1, the first two lse pairs of the
+// 80-query kernels (docs/PERF_LOG.md: the first use of each carried a short-scoreboard stall).
+// Otherwise only kernels with 64-query pairs and neither split queries nor the packed factor,
+// i.e. head_dim 128's masked and soft-capped ones: 8 values of each a thread.
 #ifndef JAX_FLASH_BWD_STATS_EARLY
 #define JAX_FLASH_BWD_STATS_EARLY 0
 #endif
@@ -248,9 +249,15 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   static constexpr int kLatePBits = kD == 64 ? 1 : kMasked ? 2 : 2 | 4;
   static constexpr bool kLateP = !kSplitQ && !kSoftcap && (JAX_FLASH_BWD_LATE_P & kLatePBits) != 0;
   static constexpr bool kPackedFactor = kPair128 && !kLateP;
-  // JAX_FLASH_BWD_STATS_EARLY: lse / delta loaded into registers ahead of their use.
-  static constexpr bool kLseEarly =
-      (JAX_FLASH_BWD_STATS_EARLY & 1) != 0 && kSCols <= 64 && !kPackedFactor && !kSplitQ;
+  // JAX_FLASH_BWD_STATS_EARLY: lse / delta loaded into registers ahead of their use. kLseAhead
+  // is how many of the thread's kSCols / 8 lse pairs: all of them with 64-query pairs; with the
+  // 80-query pairs, whose registers do not hold all ten (ptxas spills and serialises the wgmma),
+  // the first two with bit 8, so that the P^T math starts while the rest arrive.
+  static constexpr int kLseAhead = (JAX_FLASH_BWD_STATS_EARLY & 1) == 0 || kPackedFactor || kSplitQ
+                                       ? 0
+                                   : kSCols <= 64 ? kSCols / 8
+                                   : kSCols == 80 && (JAX_FLASH_BWD_STATS_EARLY & 8) != 0 ? 2
+                                                                                          : 0;
   static constexpr bool kDeltaEarly =
       (JAX_FLASH_BWD_STATS_EARLY & 6) != 0 && kSCols <= 64 && !kPackedFactor && !kSplitQ;
   // (Bit 4: delta loaded with lse, before the wait for S^T; not soft-capped, where ptxas then
