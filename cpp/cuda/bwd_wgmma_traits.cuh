@@ -95,7 +95,8 @@ struct BwdWgmmaArgs {
 // consumers stage dQ_i with stmatrix (bwd_wgmma_dq.cuh, stage_dq_boxes); clear, the natural order
 // and one 8-byte store per column pair, which takes twice the shared-memory wavefronts. Measured
 // on an H100 (docs/PERF_LOG.md): +1.5-2.5% of the backward at head_dim 256, -2 to +0.5% at 64
-// and 128, so only bit 4 is on.
+// and 128, so only bit 4 is on. At 128, bit 2 reaches the 64-query (masked, soft-capped) kernels
+// only: the 80-query ones stage dQ^T in their own boxes.
 #ifndef JAX_FLASH_BWD_DQ_STSM
 #define JAX_FLASH_BWD_DQ_STSM 4
 #endif
@@ -274,7 +275,9 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // there and the writer warp reduces it from there.
   __host__ __device__ static constexpr bool dq_half_in_q(int h) { return (h == 0) != kDqFirst; }
   // dq_accum in dq_accum_position's order, dQ_i staged with stmatrix (JAX_FLASH_BWD_DQ_STSM).
-  static constexpr bool kDqStsm = (JAX_FLASH_BWD_DQ_STSM & (kD == 64 ? 1 : kD == 128 ? 2 : 4)) != 0;
+  // (Not the dQ^T kernels, which keep their own box order.)
+  static constexpr int kDqStsmBit = kD == 64 ? 1 : kD == 128 ? 2 : 4;
+  static constexpr bool kDqStsm = (JAX_FLASH_BWD_DQ_STSM & kDqStsmBit) != 0 && !kDqT;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
