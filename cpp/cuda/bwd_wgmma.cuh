@@ -67,15 +67,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                      const __grid_constant__ CUtensorMap tm_dk,
                      const __grid_constant__ CUtensorMap tm_dv) {
 #if JAX_FLASH_SM90A
-  if constexpr (kBwdPrefetchAtEntry) {
-    // The descriptors are kernel parameters: their fetch can overlap the tile's decode.
-    if (threadIdx.x == 0) {
-      prefetch_tensormap(&tm_q);
-      prefetch_tensormap(&tm_k);
-      prefetch_tensormap(&tm_v);
-      prefetch_tensormap(&tm_do);
-    }
-  }
   using T = typename Tr::Element;
   constexpr bool kMasked = Tr::kIsMasked;
   constexpr int kD = Tr::kD;
@@ -203,12 +194,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const auto q_row0 = [&] { return map_row(ct.span.q_start, args.layout.seqlen_q); };
     const auto tma_batch = [&] { return packed_layout ? 0 : static_cast<int>(ct.span.seq); };
     if (lane == 0) {
-      if constexpr (!kBwdPrefetchAtEntry) {
-        prefetch_tensormap(&tm_q);
-        prefetch_tensormap(&tm_k);
-        prefetch_tensormap(&tm_v);
-        prefetch_tensormap(&tm_do);
-      }
+      prefetch_tensormap(&tm_q);
+      prefetch_tensormap(&tm_k);
+      prefetch_tensormap(&tm_v);
+      prefetch_tensormap(&tm_do);
       mbar_arrive_expect_tx(bar_kv, 2 * Tr::kKVBytes);
       const int k_row = map_row(ct.span.k_start, args.layout.seqlen_k) + ct.n0;
 #pragma unroll

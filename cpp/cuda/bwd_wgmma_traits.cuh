@@ -101,13 +101,6 @@ struct BwdWgmmaArgs {
 #define JAX_FLASH_BWD_DQ_STSM 4
 #endif
 
-// Experiment switch: the tensor maps' descriptors prefetched at kernel entry, before the CTA's
-// tile decode, instead of just before the producer's first loads (docs/PERF_LOG.md).
-#ifndef JAX_FLASH_BWD_PREFETCH_AT_ENTRY
-#define JAX_FLASH_BWD_PREFETCH_AT_ENTRY 0
-#endif
-inline constexpr bool kBwdPrefetchAtEntry = JAX_FLASH_BWD_PREFETCH_AT_ENTRY != 0;
-
 // Experiment switch: every call's staged dQ_i goes to the writer warps (bwd_dq_writer), which
 // issue the TMA reductions, as the deterministic order does but without its turns; clear, outside
 // that order each consumer warp's lane 0 issues its own box's reductions and waits for their reads

@@ -47,42 +47,21 @@ constexpr bool dq_pair_order_is_a_permutation() {
 }
 static_assert(dq_pair_order_is_a_permutation() && dq_pair_position(1, 31) == 63);
 
-// Elements per thread and step of the convert kernel over dq_accum_position's order: 8 (default),
-// one aligned group of 8 columns, two float4 reads 32 bytes apart a lane; or 4
-// (JAX_FLASH_DQ_CONVERT_PAIRS, an experiment switch), one float4 read a lane as in the natural
-// order, the permutation undone by an exchange between lanes 2j and 2j + 1. The natural order
-// always takes 4.
-#ifndef JAX_FLASH_DQ_CONVERT_PAIRS
-#define JAX_FLASH_DQ_CONVERT_PAIRS 0
-#endif
-inline constexpr int kDqConvertPermutedWidth = JAX_FLASH_DQ_CONVERT_PAIRS != 0 ? 4 : 8;
-
 // dQ = T(scale * dq_accum), kWidth elements per thread and step (n = elements / kWidth; head_dim
-// is a multiple of 64, so the element count is a multiple of 8). kPermuted: dq_accum is in
-// dq_accum_position's order, which the step interleaves back: with kWidth 8 inside the thread's
-// group of 8; with kWidth 4 the even lane of a pair holds the group's columns 0, 2, 4, 6 and the
-// odd lane 1, 3, 5, 7, and each passes the other the two values its four output columns lack (the
-// grid stride and n are even, so both lanes of a pair are active together).
+// is a multiple of 64, so the element count is a multiple of 8): 4 in the natural order, one
+// float4 read a lane; 8 in dq_accum_position's order (kPermuted), one aligned group of 8 columns,
+// two float4 reads 32 bytes apart a lane, which the step interleaves back.
 template <typename T, bool kPermuted, int kWidth>
 __global__ void dq_convert_kernel(const float4* __restrict__ dq_accum, T* __restrict__ dq,
                                   int64_t n, float scale) {
-  static_assert(kWidth == 4 || (kWidth == 8 && kPermuted));
+  static_assert(kWidth == (kPermuted ? 8 : 4));
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     if constexpr (kWidth == 4) {
       const float4 a = dq_accum[i];
       uint2 out;
-      if constexpr (kPermuted) {
-        const bool odd = (threadIdx.x & 1u) != 0;
-        const unsigned pairs = __activemask();
-        const float s0 = __shfl_xor_sync(pairs, odd ? a.x : a.z, 1);
-        const float s1 = __shfl_xor_sync(pairs, odd ? a.y : a.w, 1);
-        out.x = odd ? tc::pack2<T>(s0 * scale, a.z * scale) : tc::pack2<T>(a.x * scale, s0 * scale);
-        out.y = odd ? tc::pack2<T>(s1 * scale, a.w * scale) : tc::pack2<T>(a.y * scale, s1 * scale);
-      } else {
-        out.x = tc::pack2<T>(a.x * scale, a.y * scale);
-        out.y = tc::pack2<T>(a.z * scale, a.w * scale);
-      }
+      out.x = tc::pack2<T>(a.x * scale, a.y * scale);
+      out.y = tc::pack2<T>(a.z * scale, a.w * scale);
       reinterpret_cast<uint2*>(dq)[i] = out;
     } else {
       const float4 a = dq_accum[2 * i];
@@ -197,7 +176,7 @@ cudaError_t convert_dq(const float* dq_accum, void* dq, int64_t elems, double sc
                        cudaStream_t stream) {
   if (elems == 0) return cudaSuccess;
   constexpr int kThreads = 256;
-  constexpr int kWidth = kPermuted ? kDqConvertPermutedWidth : 4;
+  constexpr int kWidth = kPermuted ? 8 : 4;
   const int64_t n = elems / kWidth;
   const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 65536);
   dq_convert_kernel<T, kPermuted, kWidth><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(

@@ -44,17 +44,6 @@
 
 namespace jax_flash::cuda::sm90 {
 
-// Experiment switch (an nvcc -D flag, docs/PERF_LOG.md): how early a CTA starts its first loads.
-// Bit 1: the tensor maps' descriptors are prefetched at kernel entry, before the grid-position
-// decode, instead of just before Q's load. Bit 2: thread 0 issues Q's load (and, without segment
-// ids, the first K block's) right after initialising the barriers, before the CTA-wide barrier
-// and the producer's register hand-off, instead of from the producer's loop. 0: both off.
-#ifndef JAX_FLASH_FWD_EARLY_LOADS
-#define JAX_FLASH_FWD_EARLY_LOADS 0
-#endif
-inline constexpr bool kFwdPrefetchAtEntry = (JAX_FLASH_FWD_EARLY_LOADS & 1) != 0;
-inline constexpr bool kFwdEarlyFirstLoads = (JAX_FLASH_FWD_EARLY_LOADS & 2) != 0;
-
 // In banded kernels without segment ids, each consumer warpgroup computes only the key blocks its
 // own 64 rows can see (the mask policy's key range of its rows); for the walk's other blocks it
 // keeps the barrier protocol (waits, turns, releases) without GEMMs or softmax. A 192-row tile of
@@ -612,8 +601,6 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kStages = Tr::kStages;
-  // The early first loads leave before a one-tile CTA's barrier (kFwdEarlyFirstLoads).
-  constexpr bool kEarlyLoads = kFwdEarlyFirstLoads && kPart == FwdPart::kWhole;
 
   // ------------------------------------------------------------------ which tile
   const SeqLayout& layout = args.layout;
@@ -685,11 +672,9 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
 
   // Q's load and the K tile of key row n0 into `stage`, issued by one thread.
   const auto load_q = [&]() {
-    if constexpr (!kFwdPrefetchAtEntry) {
-      prefetch_tensormap(&tm_q);
-      prefetch_tensormap(&tm_k);
-      prefetch_tensormap(&tm_v);
-    }
+    prefetch_tensormap(&tm_q);
+    prefetch_tensormap(&tm_k);
+    prefetch_tensormap(&tm_v);
     mbar_arrive_expect_tx(bar_q, Tr::kQBytes);
 #pragma unroll
     for (int p = 0; p < Tr::kPanels; ++p) {
@@ -706,18 +691,7 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
     }
   };
 
-  if (kPart == FwdPart::kWhole && threadIdx.x == 0) {
-    bars.init();
-    if constexpr (kFwdEarlyFirstLoads) {
-      // The CTA's first loads leave before the barrier below and the producer's setmaxnreg: Q and
-      // the walk's first key block (the last block of the band; with segment ids the walk's ballots
-      // need the whole warp, so only Q). The producer's loop then skips them.
-      if (first_block < last_block) {
-        load_q();
-        if constexpr (!kSegments) load_k(0, (last_block - 1) * kBlockN, head / args.group);
-      }
-    }
-  }
+  if (kPart == FwdPart::kWhole && threadIdx.x == 0) bars.init();
   if constexpr (kPart == FwdPart::kWhole) __syncthreads();
 
   const int warpgroup = static_cast<int>(threadIdx.x) / 128;
@@ -734,7 +708,7 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
       // Q is loaded whenever the band leaves the tile a key block, before the segment walk's
       // first round of loads decides which block that is: Q's latency then overlaps it.
       const bool band_keys = first_block < last_block;
-      if (leader && band_keys && !kEarlyLoads) load_q();
+      if (leader && band_keys) load_q();
       // A persistent CTA's consumers wait for every tile's Q-full phase, which also publishes the
       // tile's index: a tile without keys completes it with a plain arrival.
       if (Tr::kPersistent && leader && !band_keys) mbar_arrive(bar_q);
@@ -767,8 +741,7 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
           const int n0 = nb * kBlockN;
           // Use u = (ring + it) / kStages of a stage needs the consumers' release of use u - 1.
           const uint32_t empty_parity = phase_of(it) ^ 1u;
-          // (The walk's first K block may have left with Q, before the CTA's barrier.)
-          if (leader && !(kEarlyLoads && !kSegments && it == 0)) {
+          if (leader) {
             if (ring + it >= kStages) mbar_wait(bars.k_empty(stage), empty_parity);
             load_k(stage, n0, kv_head);
           }
@@ -1154,16 +1127,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                      const __grid_constant__ CUtensorMap tm_v,
                      const __grid_constant__ CUtensorMap tm_o) {
 #if JAX_FLASH_SM90A
-  if constexpr (kFwdPrefetchAtEntry) {
-    // The descriptors are kernel parameters, which no kernel ahead writes: their fetch can
-    // overlap the grid-position decode (and, for the segment-id kernels, the wait below).
-    if (threadIdx.x == 0) {
-      prefetch_tensormap(&tm_q);
-      prefetch_tensormap(&tm_k);
-      prefetch_tensormap(&tm_v);
-      prefetch_tensormap(&tm_o);
-    }
-  }
   // The segment-id kernels are launched as the programmatic dependents of the summary kernel that
   // writes their ids' records (fwd_wgmma.cu): nothing before this reads or writes global memory.
   if constexpr (Tr::kSegments) wait_for_primary();
