@@ -456,7 +456,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // kLseAhead: the pair's lse at this thread's query columns loaded now, under the wait.
       float2 lse_pre[Tr::kLseAhead > 0 ? Tr::kLseAhead : 1];
       if constexpr (Tr::kLseAhead > 0) load_pair_stats(lse_pre, stage_lse(stage) + q0, t);
-      float2 delta_pre[Tr::kDeltaEarly ? kSCols / 8 : 1];
+      float2 delta_pre[Tr::kDeltaAhead > 0 ? Tr::kDeltaAhead : 1];
       if constexpr (Tr::kDeltaWithLse) load_pair_stats(delta_pre, stage_delta(stage), t);
       // Groups retire in order: with dP^T pending, S^T is done.
       wgmma_wait<1>();
@@ -597,8 +597,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // (head_dim contiguous, as V in the forward's O += P V); it runs under the dS math, the
         // dS^T stores and the barrier below. With kPackedFactor dP^T's second half goes first;
         // kLateP issues dV after the dS^T stores (below), its P^T not yet converted here.
-        // kDeltaEarly: the pair's delta loaded first, to arrive under the issue and the wait.
-        if constexpr (Tr::kDeltaEarly && !Tr::kDeltaWithLse) {
+        // kDeltaAhead: the pair's delta loaded first, to arrive under the issue and the wait.
+        if constexpr (Tr::kDeltaAhead > 0 && !Tr::kDeltaWithLse) {
           load_pair_stats(delta_pre, stage_delta(stage), t);
         }
         if constexpr (!Tr::kLateP) {
@@ -636,10 +636,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           fence_operand(dp);
           constexpr int kI = kSCols / 8;
           if (flags & kPairMasked) {
-            bwd_dscores<Tr, true, 0, kI, Tr::kDeltaEarly>(dp, s, wh, stage_delta(stage), t,
+            bwd_dscores<Tr, true, 0, kI, Tr::kDeltaAhead>(dp, s, wh, stage_delta(stage), t,
                                                           delta_pre);
           } else {
-            bwd_dscores<Tr, false, 0, kI, Tr::kDeltaEarly>(dp, s, wh, stage_delta(stage), t,
+            bwd_dscores<Tr, false, 0, kI, Tr::kDeltaAhead>(dp, s, wh, stage_delta(stage), t,
                                                            delta_pre);
           }
         }

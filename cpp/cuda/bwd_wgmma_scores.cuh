@@ -23,13 +23,16 @@ __device__ __forceinline__ int fresh_thread_index() {
   return tid;
 }
 
-// A pair's lse or delta at a thread's query columns 8i + 2t and 8i + 2t + 1 of the stage's row
-// `s`, for i < kN, loaded into registers ahead of their use (kLseAhead / kDeltaEarly), before a
-// GEMM wait.
+// A pair's lse or delta at a thread's query columns 8i + 2t and 8i + 2t + 1 of the stage's row `s`.
+__device__ __forceinline__ float2 pair_stat(const float* s, int i, int t) {
+  return *reinterpret_cast<const float2*>(s + 8 * i + 2 * t);
+}
+// The same for i < kN, loaded into registers ahead of their use (kLseAhead / kDeltaAhead), before
+// a GEMM wait.
 template <int kN>
 __device__ __forceinline__ void load_pair_stats(float2 (&v)[kN], const float* s, int t) {
 #pragma unroll
-  for (int i = 0; i < kN; ++i) v[i] = *reinterpret_cast<const float2*>(s + 8 * i + 2 * t);
+  for (int i = 0; i < kN; ++i) v[i] = pair_stat(s, i, t);
 }
 
 // Zeroes rows [row0, kRows) of kTensors swizzled tiles (kPanels panels of kRows 128-byte rows,
@@ -143,8 +146,7 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Tr::kSCols / 2],
   }
 #pragma unroll
   for (int i = 0; i < Tr::kSCols / 8; ++i) {
-    const float2 l2 =
-        i < kPre ? lse_pre[i] : *reinterpret_cast<const float2*>(lse_s + 8 * i + 2 * t);
+    const float2 l2 = i < kPre ? lse_pre[i] : pair_stat(lse_s, i, t);
     int2 qid = make_int2(0, 0);
     if (kMask && seg) qid = *reinterpret_cast<const int2*>(qid_s + 8 * i + 2 * t);
 #pragma unroll
@@ -193,8 +195,8 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Tr::kSCols / 2],
 // factor bwd_probs left in s, or with kPackedFactor in wh) for P^T. With kMask every masked element
 // has w = 0 and is selected to 0, since dP^T there may come from a neighbour's V rows; a visible
 // element whose P underflowed to 0 gets 0 either way.
-// kPre: the delta values were loaded ahead, as bwd_probs's lse (kDeltaEarly).
-template <class Tr, bool kMask, int kI0 = 0, int kI1 = Tr::kSCols / 8, bool kPre = false>
+// kPre: the first kPre delta pairs were loaded ahead, as bwd_probs's lse (kDeltaAhead).
+template <class Tr, bool kMask, int kI0 = 0, int kI1 = Tr::kSCols / 8, int kPre = 0>
 __device__ __forceinline__ void bwd_dscores(float (&dp)[Tr::kSCols / 2],
                                             const float (&w)[Tr::kSCols / 2],
                                             const uint32_t (&wh)[Tr::kSCols / 16][4],
@@ -202,8 +204,7 @@ __device__ __forceinline__ void bwd_dscores(float (&dp)[Tr::kSCols / 2],
                                             const float2* delta_pre = nullptr) {
 #pragma unroll
   for (int i = kI0; i < kI1; ++i) {
-    const float2 dl =
-        kPre ? delta_pre[i] : *reinterpret_cast<const float2*>(delta_s + 8 * i + 2 * t);
+    const float2 dl = i < kPre ? delta_pre[i] : pair_stat(delta_s, i, t);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float w0, w1;

@@ -252,12 +252,15 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
                                    : kSCols <= 64 ? kSCols / 8
                                    : kSCols == 80 && (JAX_FLASH_BWD_STATS_EARLY & 8) != 0 ? 2
                                                                                           : 0;
-  static constexpr bool kDeltaEarly =
-      (JAX_FLASH_BWD_STATS_EARLY & 6) != 0 && kSCols <= 64 && !kPackedFactor && !kSplitQ;
-  // (Bit 4: delta loaded with lse, before the wait for S^T; not soft-capped, where ptxas then
-  // spills 116 bytes, and there as with bit 2.)
+  // Delta pairs loaded ahead (all of them, 64-query pairs only): kDeltaWithLse with lse, before
+  // the wait for S^T (bit 4; not soft-capped, where ptxas then spills 116 bytes, and there as with
+  // bit 2), otherwise after the P^T math (bit 2).
+  static constexpr int kDeltaAhead =
+      (JAX_FLASH_BWD_STATS_EARLY & 6) != 0 && kSCols <= 64 && !kPackedFactor && !kSplitQ
+          ? kSCols / 8
+          : 0;
   static constexpr bool kDeltaWithLse =
-      kDeltaEarly && (JAX_FLASH_BWD_STATS_EARLY & 4) != 0 && !kIsSoftcap;
+      kDeltaAhead > 0 && (JAX_FLASH_BWD_STATS_EARLY & 4) != 0 && !kIsSoftcap;
   // kDqFirst (head_dim 256, JAX_FLASH_BWD_DQ_FIRST): the first dQ half is issued before dV and
   // dK, so that it is done, and staged, while dK still runs, and the second half queues behind
   // dK instead of after the staging. The halves then trade places: the first is staged in the
