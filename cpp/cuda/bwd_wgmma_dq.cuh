@@ -307,8 +307,8 @@ template <class Tr>
 __device__ __forceinline__ void bwd_dq_writer(const CUtensorMap* tm_dq, uint32_t stage_dq,
                                               const BwdDqHandoff* handoff, int32_t* sems, int cw,
                                               int lane, bool pairs) {
-  // Without counters (kDqWriterAlways outside the deterministic order) there are no turns.
-  const bool ordered = !kDqWriterAlways || sems != nullptr;
+  // Without counters (Tr::kDqWriter outside the deterministic order) there are no turns.
+  const bool ordered = !Tr::kDqWriter || sems != nullptr;
   named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
   for (;;) {
     named_barrier_sync(kBwdBarDqStagedBase + cw, kBwdDqHandoffThreads);

@@ -93,24 +93,28 @@ struct BwdWgmmaArgs {
 // dQ_i's staging order (BwdWgmmaTraits::kDqStsm), bit 1 for head_dim 64, bit 2 for 128, bit 4
 // for 256: set, dq_accum keeps each group of 8 columns in dq_accum_position's order and the
 // consumers stage dQ_i with stmatrix (bwd_wgmma_dq.cuh, stage_dq_boxes); clear, the natural order
-// and one 8-byte store per column pair, which takes twice the shared-memory wavefronts. Measured
-// on an H100 (docs/PERF_LOG.md): +1.5-2.5% of the backward at head_dim 256, -2 to +0.5% at 64
-// and 128, so only bit 4 is on. At 128, bit 2 reaches the 64-query (masked, soft-capped) kernels
-// only: the 80-query ones stage dQ^T in their own boxes.
+// and one 8-byte store per column pair, which takes twice the shared-memory wavefronts. At 128,
+// bit 2 reaches the 64-query (masked, soft-capped) kernels only: the 80-query ones stage dQ^T in
+// their own boxes. Measured on an H100 (docs/PERF_LOG.md): +1.5-2.5% of the backward at 256;
+// at 128 -2 to +0.5% alone, but +2-3.6% together with the writer warps (kDqWriter), so bit 2
+// is on and follows kDqWriter there; at 64 -2 to +0.5%, off.
 #ifndef JAX_FLASH_BWD_DQ_STSM
-#define JAX_FLASH_BWD_DQ_STSM 4
+#define JAX_FLASH_BWD_DQ_STSM 6
 #endif
 
-// Experiment switch: every call's staged dQ_i goes to the writer warps (bwd_dq_writer), which
-// issue the TMA reductions, as the deterministic order does but without its turns; clear, outside
-// that order each consumer warp's lane 0 issues its own box's reductions and waits for their reads
-// before the next staging (docs/PERF_LOG.md: the consumers' dQ section beside FA3's writer warp).
+// Which head_dims hand every call's staged dQ_i to the writer warps (bwd_dq_writer), which issue
+// the TMA reductions, as the deterministic order does but without its turns (BwdWgmmaTraits::
+// kDqWriter; bit 1 for 64, bit 2 for 128; head_dim 256's split-query kernels always have their
+// writer). Clear, outside that order each consumer warp's lane 0 issues its own box's reductions
+// and waits for their reads before the next staging. Measured on an H100 (docs/PERF_LOG.md): at
+// 128 with stmatrix staging +2-3.6% of the masked kernels' backward, -0.6 to +2.1% unmasked; at 64
+// causal 1k -1% in both rounds, so only bit 2 is on.
 #ifndef JAX_FLASH_BWD_DQ_WRITER
-#define JAX_FLASH_BWD_DQ_WRITER 0
+#define JAX_FLASH_BWD_DQ_WRITER 2
 #endif
-inline constexpr bool kDqWriterAlways = JAX_FLASH_BWD_DQ_WRITER != 0;
 
-// Experiment switch: where a pair's lse and delta reach the consumers' registers. 0 (default),
+// Experiment switch, measured and off (docs/PERF_LOG.md: alone -1.3 to -3.3% on most masked
+// head_dim-128 cells on an H100): where a pair's lse and delta reach the consumers' registers. 0,
 // each read from the stage where the P^T / dS^T math uses it; bit 1, lse loaded before the wait
 // for S^T; bit 2, delta loaded right after the P^T math, before the dV GEMM's issue and the wait
 // for dP^T; bit 4, delta loaded with lse; bit 8, with bit 1, the first two lse pairs of the
@@ -272,8 +276,16 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   __host__ __device__ static constexpr bool dq_half_in_q(int h) { return (h == 0) != kDqFirst; }
   // dq_accum in dq_accum_position's order, dQ_i staged with stmatrix (JAX_FLASH_BWD_DQ_STSM).
   // (Not the dQ^T kernels, which keep their own box order.)
+  // Every call's staged dQ_i reduced by the writer warps (JAX_FLASH_BWD_DQ_WRITER, same bits).
+  // Not soft-capped: there the unmasked head_dim-128 kernel spills 32 bytes with it (ptxas), and
+  // no soft-capped cell was in the measurement that turned it on.
   static constexpr int kDqStsmBit = kD == 64 ? 1 : kD == 128 ? 2 : 4;
-  static constexpr bool kDqStsm = (JAX_FLASH_BWD_DQ_STSM & kDqStsmBit) != 0 && !kDqT;
+  static constexpr bool kDqWriter =
+      kDqStaged && !kSoftcap && (JAX_FLASH_BWD_DQ_WRITER & kDqStsmBit) != 0;
+  // At head_dim 128 the stmatrix staging paid only together with the writer warps, so there it
+  // follows kDqWriter.
+  static constexpr bool kDqStsm =
+      (JAX_FLASH_BWD_DQ_STSM & kDqStsmBit) != 0 && !kDqT && (kD != 128 || kDqWriter);
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
