@@ -928,6 +928,11 @@ int main(int argc, char** argv) {
       }
       if (d != 128) continue;
       time_case("causal S=16384", dense(1, 16384, 16384, h, h, d, -1, 0));
+      for (int right : {-1, 0}) {
+        Case cap = dense(4, 4096, 4096, h, h, d, -1, right);
+        cap.softcap = 50.f;
+        time_case(right < 0 ? "softcap 50 S=4096" : "softcap 50 causal S=4096", cap);
+      }
       time_case("window 1k over 16k", dense(1, 16384, 16384, h, h, d, 1023, 0));
       std::vector<int> cu = {0};
       for (int n : docs) cu.push_back(cu.back() + n);

@@ -105,10 +105,11 @@ struct BwdWgmmaArgs {
 // Which head_dims hand every call's staged dQ_i to the writer warps (bwd_dq_writer), which issue
 // the TMA reductions, as the deterministic order does but without its turns (BwdWgmmaTraits::
 // kDqWriter; bit 1 for 64, bit 2 for 128; head_dim 256's split-query kernels always have their
-// writer). Clear, outside that order each consumer warp's lane 0 issues its own box's reductions
-// and waits for their reads before the next staging. Measured on an H100 (docs/PERF_LOG.md): at
-// 128 with stmatrix staging +2-3.6% of the masked kernels' backward, -0.6 to +2.1% unmasked; at 64
-// causal 1k -1% in both rounds, so only bit 2 is on.
+// writer; bit 8 lets the soft-capped kernels in). Clear, outside that order each consumer warp's
+// lane 0 issues its own box's reductions and waits for their reads before the next staging.
+// Measured on an H100 (docs/PERF_LOG.md): at 128 with stmatrix staging +2-3.6% of the masked
+// kernels' backward, -0.6 to +2.1% unmasked; at 64 causal 1k -1% in both rounds, so only bit 2 is
+// on.
 #ifndef JAX_FLASH_BWD_DQ_WRITER
 #define JAX_FLASH_BWD_DQ_WRITER 2
 #endif
@@ -277,11 +278,13 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // dq_accum in dq_accum_position's order, dQ_i staged with stmatrix (JAX_FLASH_BWD_DQ_STSM).
   // (Not the dQ^T kernels, which keep their own box order.)
   // Every call's staged dQ_i reduced by the writer warps (JAX_FLASH_BWD_DQ_WRITER, same bits).
-  // Not soft-capped: there the unmasked head_dim-128 kernel spills 32 bytes with it (ptxas), and
-  // no soft-capped cell was in the measurement that turned it on.
+  // Soft-capped kernels only with bit 8 (an experiment): there the unmasked head_dim-128 kernel
+  // spills 32 bytes with it (ptxas), and no soft-capped cell was in the measurement that turned
+  // it on.
   static constexpr int kDqStsmBit = kD == 64 ? 1 : kD == 128 ? 2 : 4;
-  static constexpr bool kDqWriter =
-      kDqStaged && !kSoftcap && (JAX_FLASH_BWD_DQ_WRITER & kDqStsmBit) != 0;
+  static constexpr bool kDqWriter = kDqStaged &&
+                                    (!kSoftcap || (JAX_FLASH_BWD_DQ_WRITER & 8) != 0) &&
+                                    (JAX_FLASH_BWD_DQ_WRITER & kDqStsmBit) != 0;
   // At head_dim 128 the stmatrix staging paid only together with the writer warps, so there it
   // follows kDqWriter.
   static constexpr bool kDqStsm =
