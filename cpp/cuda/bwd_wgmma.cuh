@@ -749,12 +749,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                              args.layout.seqlen_q, m0 + Tr::dq_row0(ctid / 128));
               dq_record_claim(h);
               // (The turn's counter and ticket only in the deterministic order.)
-              const bool turns = !Tr::kDqWriter || in_order;
-              if (turns) h->sem = dq_offset / kD * kDqCounters + ctid / 128;
+              if (in_order) h->sem = dq_offset / kD * kDqCounters + ctid / 128;
               h->row = at.row;
               h->batch = at.batch;
               h->head = head;
-              if (turns) h->ticket = dq_ticket(cta_tile->mask, m0, rows, cta_tile->n0, kBlockN);
+              if (in_order) h->ticket = dq_ticket(cta_tile->mask, m0, rows, cta_tile->n0, kBlockN);
               h->end = 0;
               dq_record_publish(h);
             }

@@ -308,7 +308,7 @@ __device__ __forceinline__ void bwd_dq_writer(const CUtensorMap* tm_dq, uint32_t
                                               const BwdDqHandoff* handoff, int32_t* sems, int cw,
                                               int lane, bool pairs) {
   // Without counters (Tr::kDqWriter outside the deterministic order) there are no turns.
-  const bool ordered = !Tr::kDqWriter || sems != nullptr;
+  const bool ordered = sems != nullptr;
   named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
   for (;;) {
     named_barrier_sync(kBwdBarDqStagedBase + cw, kBwdDqHandoffThreads);

@@ -94,10 +94,10 @@ struct BwdWgmmaArgs {
 // for 256: set, dq_accum keeps each group of 8 columns in dq_accum_position's order and the
 // consumers stage dQ_i with stmatrix (bwd_wgmma_dq.cuh, stage_dq_boxes); clear, the natural order
 // and one 8-byte store per column pair, which takes twice the shared-memory wavefronts. At 128,
-// bit 2 reaches the 64-query (masked, soft-capped) kernels only: the 80-query ones stage dQ^T in
-// their own boxes. Measured on an H100 (docs/PERF_LOG.md): +1.5-2.5% of the backward at 256;
-// at 128 -2 to +0.5% alone, but +2-3.6% together with the writer warps (kDqWriter), so bit 2
-// is on and follows kDqWriter there; at 64 -2 to +0.5%, off.
+// bit 2 reaches the 64-query (masked) kernels that have the writer warps only: the 80-query ones
+// stage dQ^T in their own boxes. Measured on an H100 (docs/PERF_LOG.md): +1.5-2.5% of the backward
+// at 256; at 128 -2 to +0.5% alone, but +2-3.6% together with the writer warps (kDqWriter), so bit
+// 2 is on and follows kDqWriter there; at 64 -2 to +0.5%, off.
 #ifndef JAX_FLASH_BWD_DQ_STSM
 #define JAX_FLASH_BWD_DQ_STSM 6
 #endif
@@ -275,8 +275,6 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // Whether dQ half h is staged in the Q panels (else the dO panels): the consumers stage it
   // there and the writer warp reduces it from there.
   __host__ __device__ static constexpr bool dq_half_in_q(int h) { return (h == 0) != kDqFirst; }
-  // dq_accum in dq_accum_position's order, dQ_i staged with stmatrix (JAX_FLASH_BWD_DQ_STSM).
-  // (Not the dQ^T kernels, which keep their own box order.)
   // Every call's staged dQ_i reduced by the writer warps (JAX_FLASH_BWD_DQ_WRITER, same bits).
   // Soft-capped kernels only with bit 8 (an experiment): there the unmasked head_dim-128 kernel
   // spills 32 bytes with it (ptxas), and no soft-capped cell was in the measurement that turned
@@ -285,8 +283,9 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   static constexpr bool kDqWriter = kDqStaged &&
                                     (!kSoftcap || (JAX_FLASH_BWD_DQ_WRITER & 8) != 0) &&
                                     (JAX_FLASH_BWD_DQ_WRITER & kDqStsmBit) != 0;
-  // At head_dim 128 the stmatrix staging paid only together with the writer warps, so there it
-  // follows kDqWriter.
+  // dq_accum in dq_accum_position's order, dQ_i staged with stmatrix (JAX_FLASH_BWD_DQ_STSM);
+  // not the dQ^T kernels, which keep their own box order. At head_dim 128 the staging paid only
+  // together with the writer warps, so there it follows kDqWriter.
   static constexpr bool kDqStsm =
       (JAX_FLASH_BWD_DQ_STSM & kDqStsmBit) != 0 && !kDqT && (kD != 128 || kDqWriter);
   static constexpr int kProducerRegs = 24;
