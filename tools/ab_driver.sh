@@ -14,7 +14,9 @@
 # end puts every rate line (TFLOP/s or GB/s) of the builds side by side, with each build's ratio
 # to the first. AB_ROUNDS=R (default 1) runs the builds back to back R times, round by round, so
 # that a difference can be told from the machine's drift: the outputs are then
-# $OUT/ab_<n>_r<round>.txt and a table is printed per round.
+# $OUT/ab_<n>_r<round>.txt and a table is printed per round. AB_STAGE=build builds and stops;
+# AB_STAGE=run times the builds an earlier AB_STAGE=build left in build/ (same specs), so that the
+# compilation can overlap other work while the timed rounds run on an otherwise idle machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-out}"
@@ -26,9 +28,15 @@ shift 3
 specs=("$@")
 gencode="${GPU_GENCODE:--gencode=arch=compute_90a,code=sm_90a}"
 [ "$kernel" = - ] && kernel=""
+stage="${AB_STAGE:-all}"
 n=0
 pids=()
 for spec in "$@"; do
+  if [ "$stage" = run ]; then
+    [ -x "build/ab_$n" ] || { echo "build/ab_$n missing: run AB_STAGE=build first" && exit 1; }
+    n=$((n + 1))
+    continue
+  fi
   tree=${spec%%:*}
   flags=""
   [ "$tree" != "$spec" ] && flags=${spec#*:}
@@ -46,6 +54,7 @@ for i in "${!pids[@]}"; do
   fi
 done
 [ $status -ne 0 ] && exit $status
+[ "$stage" = build ] && exit 0
 rounds="${AB_ROUNDS:-1}"
 for ((r = 1; r <= rounds; r++)); do
   for ((i = 0; i < n; i++)); do
