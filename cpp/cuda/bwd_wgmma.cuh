@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // warp-uniform, which keeps the producer's code below on uniform registers: with a plain
     // branch on `warp` its values move to the 24 vector registers and spill.
     if (__all_sync(0xffffffffu, warp >= 1 && warp <= Tr::kConsumerWarpgroups)) {
-      if (Tr::kDqStaged && (Tr::kDqWriter || args.dq_semaphores != nullptr) && n_iters > 0) {
+      if (Tr::dq_to_writer(args.dq_semaphores != nullptr) && n_iters > 0) {
         bwd_dq_writer<Tr>(
             &tm_dq, base + Tr::kDqOffset + (warp - 1) * Tr::kDqWgBytes,
             reinterpret_cast<const BwdDqHandoff*>(smem + Tr::kHandoffOffset) + warp - 1,
@@ -714,7 +714,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // kDqCols cw + 8i + 2t + e of the head) or, kDqSplitRows, the rows (tile row
         // kDqRows cw + 16 warp + g + 8r).
         const bool in_order = args.dq_semaphores != nullptr;
-        const bool to_writer = Tr::kDqWriter || in_order;
+        const bool to_writer = Tr::dq_to_writer(in_order);
         if ((flags & kPairZeroRows) == 0) {
           // Staged for a TMA reduction. Rows past a dense sequence are clipped by the map; a
           // packed tile's rows past its sequence take the path below.
@@ -807,7 +807,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       named_barrier_sync(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
       named_barrier_arrive(kBwdBarDqStagedBase + cw, kBwdDqHandoffThreads);
     }
-    if (Tr::kDqStaged && (Tr::kDqWriter || args.dq_semaphores != nullptr)) {
+    if (Tr::dq_to_writer(args.dq_semaphores != nullptr)) {
       const int etid = fresh_thread_index() - 128;
       named_barrier_sync(kBwdBarDqFreeBase + etid / 128, kBwdDqHandoffThreads);
       if (etid % 128 == 0) {

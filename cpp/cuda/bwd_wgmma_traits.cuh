@@ -147,6 +147,8 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   using Panels = Sw128Panels<kHeadDim>;
   using Element = T;
   static constexpr int kD = kHeadDim;
+  // This head_dim's bit in the per-head_dim switches (JAX_FLASH_BWD_DQ_WRITER, _DQ_STSM).
+  static constexpr int kHeadDimBit = kD == 64 ? 1 : kD == 128 ? 2 : 4;
   static constexpr bool kIsMasked = kMasked;
   static constexpr bool kIsSoftcap = kSoftcap;
   static constexpr int kConsumerWarpgroups = 2;
@@ -279,15 +281,19 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // Soft-capped kernels only with bit 8 (an experiment): there the unmasked head_dim-128 kernel
   // spills 32 bytes with it (ptxas), and no soft-capped cell was in the measurement that turned
   // it on.
-  static constexpr int kDqStsmBit = kD == 64 ? 1 : kD == 128 ? 2 : 4;
   static constexpr bool kDqWriter = kDqStaged &&
                                     (!kSoftcap || (JAX_FLASH_BWD_DQ_WRITER & 8) != 0) &&
-                                    (JAX_FLASH_BWD_DQ_WRITER & kDqStsmBit) != 0;
+                                    (JAX_FLASH_BWD_DQ_WRITER & kHeadDimBit) != 0;
+  // Whether a call's staged dQ_i goes to the writer warps: with kDqWriter always, otherwise only
+  // in the deterministic order (dQ semaphores given).
+  __device__ static constexpr bool dq_to_writer(bool in_order) {
+    return kDqStaged && (kDqWriter || in_order);
+  }
   // dq_accum in dq_accum_position's order, dQ_i staged with stmatrix (JAX_FLASH_BWD_DQ_STSM);
   // not the dQ^T kernels, which keep their own box order. At head_dim 128 the staging paid only
   // together with the writer warps, so there it follows kDqWriter.
   static constexpr bool kDqStsm =
-      (JAX_FLASH_BWD_DQ_STSM & kDqStsmBit) != 0 && !kDqT && (kD != 128 || kDqWriter);
+      (JAX_FLASH_BWD_DQ_STSM & kHeadDimBit) != 0 && !kDqT && (kD != 128 || kDqWriter);
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
