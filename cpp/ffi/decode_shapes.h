@@ -17,7 +17,6 @@
 // With num_splits == 1 the partials are placeholders of any size, never touched.
 #pragma once
 
-#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -32,13 +31,8 @@ namespace jax_flash::ffi_glue {
 // size arithmetic far from overflow.
 inline constexpr int64_t kMaxDecodeSplits = 1024;
 
-struct DecodeOptions {
-  double softmax_scale;
-  int64_t window_left;   // -1: unbounded
-  int64_t window_right;  // -1: unbounded (causal arrives as 0)
-  int64_t band_shift;
-  bool band_bottom_right;
-  double softcap;  // 0: none
+// The options of a decode call: the score's (ffi/shapes.h) and the decode kernel's own.
+struct DecodeOptions : ScoreOptions {
   bool has_sinks;
   bool paged;
   int64_t num_splits;
@@ -46,38 +40,13 @@ struct DecodeOptions {
 
 inline ffi::ErrorOr<DecodeOptions> decode_decode_options(const ffi::Dictionary& attrs) {
   DecodeOptions o{};
-  ffi::Error error = ffi::Error::Success();
-  const auto read = [&](auto& out, std::string_view name) {
-    using T = std::decay_t<decltype(out)>;
-    auto value = attr<T>(attrs, name);
-    if (value.has_error()) {
-      if (error.success()) error = value.error();
-    } else {
-      out = *value;
-    }
-  };
-  read(o.softmax_scale, "softmax_scale");
-  read(o.window_left, "window_left");
-  read(o.window_right, "window_right");
-  read(o.band_shift, "band_shift");
-  read(o.band_bottom_right, "band_bottom_right");
-  read(o.softcap, "softcap");
+  AttrReader read(attrs);
+  read_score_options(read, o);
   read(o.has_sinks, "has_sinks");
   read(o.paged, "paged");
   read(o.num_splits, "num_splits");
-  if (error.failure()) return ffi::Unexpected(error);
-  if (!std::isfinite(o.softmax_scale) || o.softmax_scale <= 0.0) {
-    return ffi::Unexpected(invalid("softmax_scale must be finite and positive"));
-  }
-  if (o.window_left < -1 || o.window_right < -1) {
-    return ffi::Unexpected(invalid("window bounds must be -1 (unbounded) or >= 0"));
-  }
-  if (o.band_shift < -kMaxBandShift || o.band_shift > kMaxBandShift) {
-    return ffi::Unexpected(invalid("band_shift must be within +-2^31"));
-  }
-  if (!std::isfinite(o.softcap) || o.softcap < 0.0) {
-    return ffi::Unexpected(invalid("softcap must be finite and >= 0 (0: none)"));
-  }
+  if (read.error().failure()) return ffi::Unexpected(read.error());
+  if (auto e = check_score_options(o); e.failure()) return ffi::Unexpected(e);
   if (o.num_splits < 1 || o.num_splits > kMaxDecodeSplits) {
     return ffi::Unexpected(invalid("num_splits must be between 1 and 1024"));
   }
@@ -157,12 +126,8 @@ inline ffi::ErrorOr<DecodeCall> read_decode_call(
   }
   p.cache_seqlens = static_cast<const int32_t*>(cache_seqlens.untyped_data());
 
+  apply_score_options(o, p);
   MaskParams& m = p.mask;
-  m.band.left = o.window_left < 0 ? kUnbounded : o.window_left;
-  m.band.right = o.window_right < 0 ? kUnbounded : o.window_right;
-  m.band.shift = o.band_shift;
-  m.band.bottom_right = o.band_bottom_right;
-  m.softcap = o.softcap;
   const ffi::DataType stats = stats_type(call.dtype);
   if (o.has_sinks) {
     if (auto e = expect_buffer(sinks, stats, p.batch * p.heads_q, "sinks"); e.failure()) {
@@ -171,7 +136,6 @@ inline ffi::ErrorOr<DecodeCall> read_decode_call(
     m.sinks = sinks.untyped_data();
     m.sinks_batch_stride = p.heads_q;
   }
-  p.softmax_scale = o.softmax_scale;
   p.num_splits = o.num_splits;
 
   const int64_t rows = p.batch * p.heads_q * p.seqlen_q;

@@ -136,15 +136,82 @@ inline ffi::ErrorOr<T> attr(const ffi::Dictionary& attrs, std::string_view name)
   return *value;
 }
 
-// The call's options, decoded from its attributes in one place for all four handlers.
-struct Options {
+// Reads attributes one at a time, keeping the first error, so that a malformed call is told the
+// first attribute that is missing or mistyped.
+class AttrReader {
+ public:
+  explicit AttrReader(const ffi::Dictionary& attrs) : attrs_(attrs) {}
+
+  template <typename T>
+  void operator()(T& out, std::string_view name) {
+    auto value = attr<T>(attrs_, name);
+    if (value.has_error()) {
+      if (error_.success()) error_ = value.error();
+    } else {
+      out = *value;
+    }
+  }
+
+  const ffi::Error& error() const { return error_; }
+
+ private:
+  const ffi::Dictionary& attrs_;
+  ffi::Error error_ = ffi::Error::Success();
+};
+
+// What every call says about its scores, whichever entry point made it (attention, its backward,
+// decode): the scale, the band and the soft cap. Read, checked and applied here only.
+struct ScoreOptions {
   double softmax_scale;
   int64_t window_left;     // -1: unbounded
   int64_t window_right;    // -1: unbounded (causal arrives as 0)
   int64_t band_shift;      // added to the diagonal offset
   bool band_bottom_right;  // offset starts from seqlen_k - seqlen_q (else from 0)
   double softcap;          // 0: none
-  int64_t max_seqlen_q;    // -1: not given
+};
+
+inline void read_score_options(AttrReader& read, ScoreOptions& s) {
+  read(s.softmax_scale, "softmax_scale");
+  read(s.window_left, "window_left");
+  read(s.window_right, "window_right");
+  read(s.band_shift, "band_shift");
+  read(s.band_bottom_right, "band_bottom_right");
+  read(s.softcap, "softcap");
+}
+
+inline ffi::Error check_score_options(const ScoreOptions& s) {
+  if (!std::isfinite(s.softmax_scale) || s.softmax_scale <= 0.0) {
+    return invalid("softmax_scale must be finite and positive");
+  }
+  if (s.window_left < -1 || s.window_right < -1) {
+    return invalid("window bounds must be -1 (unbounded) or >= 0");
+  }
+  if (s.band_shift < -kMaxBandShift || s.band_shift > kMaxBandShift) {
+    return invalid("band_shift must be within +-2^31");
+  }
+  if (!std::isfinite(s.softcap) || s.softcap < 0.0) {
+    return invalid("softcap must be finite and >= 0 (0: none)");
+  }
+  return ffi::Error::Success();
+}
+
+// The scale, band and soft cap of params P (FwdParams, BwdParams, DecodeParams); the mask's other
+// fields (sinks, segment ids) and the layout are the caller's.
+template <class P>
+inline void apply_score_options(const ScoreOptions& s, P& p) {
+  p.softmax_scale = s.softmax_scale;
+  MaskParams& m = p.mask;
+  m.band.left = s.window_left < 0 ? kUnbounded : s.window_left;
+  m.band.right = s.window_right < 0 ? kUnbounded : s.window_right;
+  m.band.shift = s.band_shift;
+  m.band.bottom_right = s.band_bottom_right;
+  m.softcap = s.softcap;
+}
+
+// The options of an attention call (forward or backward), decoded from its attributes in one
+// place for all four handlers.
+struct Options : ScoreOptions {
+  int64_t max_seqlen_q;  // -1: not given
   int64_t max_seqlen_k;
   bool has_segments;
   int64_t segment_runs;  // 0: no documents given; else runs per row of the kSegmentRuns input
@@ -155,23 +222,8 @@ struct Options {
 
 inline ffi::ErrorOr<Options> decode_options(const ffi::Dictionary& attrs) {
   Options o{};
-  ffi::Error error = ffi::Error::Success();
-  // Reads one attribute into `out`, keeping the first error.
-  const auto read = [&](auto& out, std::string_view name) {
-    using T = std::decay_t<decltype(out)>;
-    auto value = attr<T>(attrs, name);
-    if (value.has_error()) {
-      if (error.success()) error = value.error();
-    } else {
-      out = *value;
-    }
-  };
-  read(o.softmax_scale, "softmax_scale");
-  read(o.window_left, "window_left");
-  read(o.window_right, "window_right");
-  read(o.band_shift, "band_shift");
-  read(o.band_bottom_right, "band_bottom_right");
-  read(o.softcap, "softcap");
+  AttrReader read(attrs);
+  read_score_options(read, o);
   read(o.max_seqlen_q, "max_seqlen_q");
   read(o.max_seqlen_k, "max_seqlen_k");
   read(o.has_segments, "has_segments");
@@ -179,19 +231,8 @@ inline ffi::ErrorOr<Options> decode_options(const ffi::Dictionary& attrs) {
   read(o.has_sinks, "has_sinks");
   read(o.varlen, "varlen");
   read(o.deterministic, "deterministic");
-  if (error.failure()) return ffi::Unexpected(error);
-  if (!std::isfinite(o.softmax_scale) || o.softmax_scale <= 0.0) {
-    return ffi::Unexpected(invalid("softmax_scale must be finite and positive"));
-  }
-  if (o.window_left < -1 || o.window_right < -1) {
-    return ffi::Unexpected(invalid("window bounds must be -1 (unbounded) or >= 0"));
-  }
-  if (o.band_shift < -kMaxBandShift || o.band_shift > kMaxBandShift) {
-    return ffi::Unexpected(invalid("band_shift must be within +-2^31"));
-  }
-  if (!std::isfinite(o.softcap) || o.softcap < 0.0) {
-    return ffi::Unexpected(invalid("softcap must be finite and >= 0 (0: none)"));
-  }
+  if (read.error().failure()) return ffi::Unexpected(read.error());
+  if (auto e = check_score_options(o); e.failure()) return ffi::Unexpected(e);
   if (o.max_seqlen_q < -1 || o.max_seqlen_k < -1) {
     return ffi::Unexpected(invalid("max_seqlen_q/k must be -1 (not given) or >= 0"));
   }
@@ -215,17 +256,13 @@ inline ffi::ErrorOr<ffi::AnyBuffer> extra(const ffi::RemainingArgs& extras, Extr
   return *b;
 }
 
-// Fills params.mask and params.layout from the options and the optional inputs, checking every
-// buffer that is used.
+// Fills params.softmax_scale, params.mask and params.layout from the options and the optional
+// inputs, checking every buffer that is used.
 template <class P>
 inline ffi::Error decode_mask(const ffi::RemainingArgs& extras, const Options& o,
                               const AttentionDims& d, DType dtype, P& p) {
+  apply_score_options(o, p);
   MaskParams& m = p.mask;
-  m.band.left = o.window_left < 0 ? kUnbounded : o.window_left;
-  m.band.right = o.window_right < 0 ? kUnbounded : o.window_right;
-  m.band.shift = o.band_shift;
-  m.band.bottom_right = o.band_bottom_right;
-  m.softcap = o.softcap;
   SeqLayout& l = p.layout;
   l.heads_q = p.heads_q;
   if (o.varlen) {
@@ -328,7 +365,6 @@ inline ffi::ErrorOr<Call<P>> decode_inputs(const ffi::AnyBuffer& q, const ffi::A
   p.heads_q = d.heads_q;
   p.heads_kv = d.heads_kv;
   p.head_dim = d.head_dim;
-  p.softmax_scale = options->softmax_scale;
   if (auto e = decode_mask(extras, *options, d, call.dtype, p); e.failure()) {
     return ffi::Unexpected(e);
   }
