@@ -161,62 +161,21 @@ struct BwdArgs {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Primitives beyond tc_primitives.cuh
+// Primitives
 
 // The kernels address shared memory with 32-bit shared-window addresses rather than 64-bit generic
-// pointers: inside the main loop every register counts, and this keeps one per address.
-//
-// 16-byte global->shared copy, zero-filling (and reading nothing) when `valid` is false; the same
-// instruction as tc::cp_async_16, taking a shared-window address.
-__device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* gmem_src, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src),
-               "r"(src_bytes));
-}
-// 4-byte variant for the lse/delta rows, whose base is only 4-byte aligned.
-__device__ __forceinline__ void cp_async_4(uint32_t smem_dst, const void* gmem_src, bool valid) {
-  const int src_bytes = valid ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_dst), "l"(gmem_src),
-               "r"(src_bytes));
-}
-__device__ __forceinline__ int ld_shared_s32(uint32_t addr) {
-  int v;
-  asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(v) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ int64_t ld_shared_s64(uint32_t addr) {
-  int64_t v;
-  asm volatile("ld.shared.s64 %0, [%1];\n" : "=l"(v) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ uint32_t ld_shared_b32(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ int2 ld_shared_v2s32(uint32_t addr) {
-  int2 v;
-  asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ void st_shared_s64(uint32_t addr, int64_t value) {
-  asm volatile("st.shared.s64 [%0], %1;\n" ::"r"(addr), "l"(value));
-}
-__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t value) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value));
-}
-__device__ __forceinline__ uint4 ld_shared_b128(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr));
-  return v;
-}
+// pointers: inside the main loop every register counts, and this keeps one per address. The
+// wrappers taking them are tc_primitives.cuh's.
+using tc::cp_async_16;
+using tc::cp_async_4;
+using tc::ld_shared_b128;
+using tc::ld_shared_f32;
+using tc::ld_shared_s32;
+using tc::ld_shared_s64;
+using tc::ld_shared_u32;
+using tc::ld_shared_v2s32;
+using tc::st_shared_s64;
+using tc::st_shared_u32;
 
 // ---------------------------------------------------------------------------------------------
 // Shared-memory tiles
@@ -381,7 +340,7 @@ __device__ __forceinline__ void store_acc(uint32_t tile, const float (&acc)[kMi]
     for (int j = 0; j < kNi; ++j) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        st_shared_b32(swz_step<kCols>(addr, i * 16 + h * 8, j),
+        st_shared_u32(swz_step<kCols>(addr, i * 16 + h * 8, j),
                       tc::pack2<T>(acc[i][j][2 * h] * mul, acc[i][j][2 * h + 1] * mul));
       }
     }
@@ -500,15 +459,15 @@ __device__ __forceinline__ int find_query_tile(const BwdArgs& args, uint32_t win
       // of the old window and before every lane's reads of the new one (a ballot converges the
       // lanes but does not order their shared-memory accesses).
       __syncwarp();
-      st_shared_b32(base_addr, static_cast<uint32_t>(base));
-      st_shared_b32(seen_addr, seen_mask);
-      st_shared_b32(single_addr, single_mask);
+      st_shared_u32(base_addr, static_cast<uint32_t>(base));
+      st_shared_u32(seen_addr, seen_mask);
+      st_shared_u32(single_addr, single_mask);
       __syncwarp();
     }
-    const uint32_t above = ld_shared_b32(seen_addr) & (0xffffffffu << (m - base));
+    const uint32_t above = ld_shared_u32(seen_addr) & (0xffffffffu << (m - base));
     if (above != 0) {
       const int found = base + __ffs(above) - 1;
-      single = ((ld_shared_b32(single_addr) >> (found - base)) & 1u) != 0;
+      single = ((ld_shared_u32(single_addr) >> (found - base)) & 1u) != 0;
       return found;
     }
     m = base + 32;
@@ -629,7 +588,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
       kv_range = id_range_fixed<kBlockN / kSegmentChunk>(
           segment_row(args.segments.kv_ranges, batch, args.layout.seqlen_k), n0, n1);
       const uint32_t window = info.window_addr(tid / 32);
-      st_shared_b32(window + offsetof(BlockInfo::Window, base), static_cast<uint32_t>(-64));
+      st_shared_u32(window + offsetof(BlockInfo::Window, base), static_cast<uint32_t>(-64));
       __syncwarp();  // every lane's store before any lane's read
       m_first =
           find_query_tile<kBlockM>(args, window, m_begin, m_end, len_q, batch, kv_range, single);
@@ -641,17 +600,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
       st_shared_s64(info.addr + offsetof(BlockInfo, k_start), span.k_start);
       st_shared_s64(info.addr + offsetof(BlockInfo, stat_start), span.stat_start);
       st_shared_s64(info.addr + offsetof(BlockInfo, stat_head), span.stat_head);
-      st_shared_b32(info.addr + offsetof(BlockInfo, len_q), len_q);
-      st_shared_b32(info.addr + offsetof(BlockInfo, len_k), len_k);
-      st_shared_b32(info.addr + offsetof(BlockInfo, n0), n0);
-      st_shared_b32(info.addr + offsetof(BlockInfo, head_kv), head_kv);
-      st_shared_b32(info.addr + offsetof(BlockInfo, m_begin), m_begin);
-      st_shared_b32(info.addr + offsetof(BlockInfo, m_end), m_end);
-      st_shared_b32(info.addr + offsetof(BlockInfo, batch), batch);
-      st_shared_b32(info.addr + offsetof(BlockInfo, kv_lo), kv_range.lo);
-      st_shared_b32(info.addr + offsetof(BlockInfo, kv_hi), kv_range.hi);
-      st_shared_b32(info.pos_addr(0), static_cast<uint32_t>(it_first));
-      st_shared_b32(info.single_addr(0), single ? 1u : 0u);
+      st_shared_u32(info.addr + offsetof(BlockInfo, len_q), len_q);
+      st_shared_u32(info.addr + offsetof(BlockInfo, len_k), len_k);
+      st_shared_u32(info.addr + offsetof(BlockInfo, n0), n0);
+      st_shared_u32(info.addr + offsetof(BlockInfo, head_kv), head_kv);
+      st_shared_u32(info.addr + offsetof(BlockInfo, m_begin), m_begin);
+      st_shared_u32(info.addr + offsetof(BlockInfo, m_end), m_end);
+      st_shared_u32(info.addr + offsetof(BlockInfo, batch), batch);
+      st_shared_u32(info.addr + offsetof(BlockInfo, kv_lo), kv_range.lo);
+      st_shared_u32(info.addr + offsetof(BlockInfo, kv_hi), kv_range.hi);
+      st_shared_u32(info.pos_addr(0), static_cast<uint32_t>(it_first));
+      st_shared_u32(info.single_addr(0), single ? 1u : 0u);
     }
     if (m_first < m_end) {
       const int64_t kv_row_stride = static_cast<int64_t>(args.heads_kv) * kD;
@@ -725,8 +684,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
       __syncthreads();
       if constexpr (kSegments) {
         if (tid == 0) {
-          st_shared_b32(info.pos_addr(stage ^ 1), static_cast<uint32_t>(it_next));
-          st_shared_b32(info.single_addr(stage ^ 1), next_single ? 1u : 0u);
+          st_shared_u32(info.pos_addr(stage ^ 1), static_cast<uint32_t>(it_next));
+          st_shared_u32(info.single_addr(stage ^ 1), next_single ? 1u : 0u);
         }
       }
       const IterCoord next(args, info, it_next);
@@ -778,7 +737,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
               acc_s[i][j][2 * h] = t0;
               acc_s[i][j][2 * h + 1] = t1;
               const __half2 dt = __floats2half2_rn(1.f - t0 * t0, 1.f - t1 * t1);
-              st_shared_b32(swz_step<kBlockN>(lane_ds, i * 16 + h * 8, j),
+              st_shared_u32(swz_step<kBlockN>(lane_ds, i * 16 + h * 8, j),
                             *reinterpret_cast<const uint32_t*>(&dt));
             }
           }
@@ -836,7 +795,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
               }
             }
             p_f16[i][j][h] = __floats2half2_rn(p[0], p[1]);
-            st_shared_b32(swz_step<kBlockN>(lane_p, i * 16 + h * 8, j), tc::pack2<T>(p[0], p[1]));
+            st_shared_u32(swz_step<kBlockN>(lane_p, i * 16 + h * 8, j), tc::pack2<T>(p[0], p[1]));
           }
         }
       }
@@ -870,7 +829,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_main_kernel(const BwdArgs
             acc_dp[i][j][2 * h] = p.x * (acc_dp[i][j][2 * h] - delta);
             acc_dp[i][j][2 * h + 1] = p.y * (acc_dp[i][j][2 * h + 1] - delta);
             if constexpr (kSoftcap) {
-              const uint32_t bits = ld_shared_b32(swz_step<kBlockN>(lane_ds, i * 16 + h * 8, j));
+              const uint32_t bits = ld_shared_u32(swz_step<kBlockN>(lane_ds, i * 16 + h * 8, j));
               const float2 dt = __half22float2(*reinterpret_cast<const __half2*>(&bits));
               acc_dp[i][j][2 * h] *= dt.x;
               acc_dp[i][j][2 * h + 1] *= dt.y;

@@ -172,27 +172,11 @@ struct SegWindow {
 };
 static_assert(sizeof(SegWindow) == 32, "FwdTraits::kIdBytes reserves 32 bytes per warp");
 
-__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ int2 ld_shared_v2s32(uint32_t addr) {
-  int2 v;
-  asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t value) {
-  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(value));
-}
-
-// 4-byte global->shared copy for the segment ids (a row of ids is only 4-byte aligned);
-// zero-fills and reads nothing when `valid` is false.
-__device__ __forceinline__ void cp_async_4(void* smem_dst, const void* gmem_src, bool valid) {
-  const int src_bytes = valid ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(tc::smem_addr(smem_dst)),
-               "l"(gmem_src), "r"(src_bytes));
-}
+// The shared-window loads, stores and 4-byte copies of tc_primitives.cuh.
+using tc::cp_async_4;
+using tc::ld_shared_u32;
+using tc::ld_shared_v2s32;
+using tc::st_shared_u32;
 
 // Copies rows [row0, row0 + kRows) of one head's [len, head_dim] slice into a padded shared
 // tile. Rows at or past row_end (the end of the sequence's span) are zero-filled and never read

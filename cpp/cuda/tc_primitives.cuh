@@ -30,6 +30,22 @@ __device__ __forceinline__ void cp_async_16_stream(void* smem_dst, const void* g
       "cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem_dst)),
       "l"(gmem_src), "r"(src_bytes));
 }
+// The same copies taking a 32-bit shared-window address (the form the mma.sync kernels keep in
+// their loops, one register per address instead of a 64-bit generic pointer).
+__device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* gmem_src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src),
+               "r"(src_bytes));
+}
+// 4-byte copy for rows whose base is only 4-byte aligned (lse / delta rows, segment ids).
+__device__ __forceinline__ void cp_async_4(uint32_t smem_dst, const void* gmem_src, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_dst), "l"(gmem_src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_4(void* smem_dst, const void* gmem_src, bool valid) {
+  cp_async_4(smem_addr(smem_dst), gmem_src, valid);
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Waits until at most N committed groups are still in flight.
 template <int N>
@@ -181,5 +197,47 @@ __device__ __forceinline__ float fast_tanh(float x) {
   X(T, D, true, false, true)        \
   X(T, D, true, true, false)        \
   X(T, D, true, true, true)
+
+// Shared-memory loads and stores at a shared-window address, as opaque asm: the compiler neither
+// caches nor reorders them across other asm, which the kernels rely on where they re-read a value
+// instead of keeping it in a register.
+__device__ __forceinline__ int ld_shared_s32(uint32_t addr) {
+  int v;
+  asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ int64_t ld_shared_s64(uint32_t addr) {
+  int64_t v;
+  asm volatile("ld.shared.s64 %0, [%1];\n" : "=l"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ int2 ld_shared_v2s32(uint32_t addr) {
+  int2 v;
+  asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ uint4 ld_shared_b128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t value) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value));
+}
+__device__ __forceinline__ void st_shared_s64(uint32_t addr, int64_t value) {
+  asm volatile("st.shared.s64 [%0], %1;\n" ::"r"(addr), "l"(value));
+}
 
 }  // namespace jax_flash::cuda::tc
