@@ -16,6 +16,13 @@ from jax_flash import _decode, _ffi, _kernel
 HANDLER_ERROR = jax.errors.JaxRuntimeError
 
 
+@pytest.fixture(autouse=True)
+def on_cpu():
+    # The CPU targets, wherever the default device is (a GPU machine's is CUDA).
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def qkv(seed=0, shape=(1, 16, 2, 64)):
     keys = jax.random.split(jax.random.PRNGKey(seed), 3)
     return tuple(jax.random.normal(key, shape, jnp.float32) for key in keys)
