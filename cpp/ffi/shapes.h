@@ -7,7 +7,6 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
-#include <type_traits>
 
 #include "common/params.h"
 #include "xla/ffi/api/ffi.h"
