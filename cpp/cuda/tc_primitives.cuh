@@ -16,10 +16,15 @@ __device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
 
 // 16-byte global->shared copy that bypasses L1. When `valid` is false the source is not read and
 // the destination is zero-filled, which is how out-of-range rows (sequence tails) become zeros.
-__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
+// The uint32_t overloads take a 32-bit shared-window address (the form the mma.sync kernels keep
+// in their loops, one register per address instead of a 64-bit generic pointer).
+__device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* gmem_src, bool valid) {
   const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem_dst)),
-               "l"(gmem_src), "r"(src_bytes));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
+  cp_async_16(smem_addr(smem_dst), gmem_src, valid);
 }
 // The same for a stream read once in whole rows of 256 bytes or more (the decode pass's K and V):
 // each L2 miss fetches the 256-byte span around it, so a row comes from DRAM in one piece.
@@ -29,13 +34,6 @@ __device__ __forceinline__ void cp_async_16_stream(void* smem_dst, const void* g
   asm volatile(
       "cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem_dst)),
       "l"(gmem_src), "r"(src_bytes));
-}
-// The same copies taking a 32-bit shared-window address (the form the mma.sync kernels keep in
-// their loops, one register per address instead of a 64-bit generic pointer).
-__device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* gmem_src, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src),
-               "r"(src_bytes));
 }
 // 4-byte copy for rows whose base is only 4-byte aligned (lse / delta rows, segment ids).
 __device__ __forceinline__ void cp_async_4(uint32_t smem_dst, const void* gmem_src, bool valid) {
