@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "common/decode_params.h"
+#include "cuda/decode_chain.h"
 #include "cuda/decode_simt.cuh"
 #include "cuda/grid_dependency.cuh"
 

@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "common/decode_params.h"
+#include "cuda/decode_chain.h"
 #include "cuda/decode_tile.cuh"
 #include "cuda/grid_dependency.cuh"
 #include "cuda/kernel_attributes.h"
@@ -46,7 +47,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   // as every block of this grid has started hides its launch latency (its blocks wait for this
   // grid's completion and memory before reading a partial). A no-op without a dependent.
   allow_dependents();
-  // Chained (kDecodeChained, cuda/grid_dependency.cuh): this grid is itself the dependent of the
+  // Chained (kDecodeChained, cuda/decode_chain.h): this grid is itself the dependent of the
   // kernel before it, which may still run: nothing global is read or written before its end.
   if constexpr (kDecodeChained) wait_for_primary();
 

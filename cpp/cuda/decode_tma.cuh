@@ -29,6 +29,7 @@
 #include <type_traits>
 
 #include "common/decode_params.h"
+#include "cuda/decode_chain.h"
 #include "cuda/decode_tile.cuh"
 #include "cuda/grid_dependency.cuh"
 #include "cuda/kernel_attributes.h"
