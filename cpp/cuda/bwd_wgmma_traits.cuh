@@ -114,8 +114,10 @@ struct BwdWgmmaArgs {
 #define JAX_FLASH_BWD_DQ_WRITER 2
 #endif
 
-// Experiment switch, measured and off (docs/PERF_LOG.md: alone -1.3 to -3.3% on most masked
-// head_dim-128 cells on an H100): where a pair's lse and delta reach the consumers' registers. 0,
+// Experiment switch, off (docs/PERF_LOG.md): where a pair's lse and delta reach the consumers'
+// registers. Measured on an H100: before the writer warps, 13 lost 1.3-3.3% on most masked
+// head_dim-128 cells; with them (the current default), 9 gained 1-4% on the masked and unmasked
+// head_dim-128 cells in four rounds but lost 1-4% on the soft-capped causal one, hence bit 16. 0,
 // each read from the stage where the P^T / dS^T math uses it; bit 1, lse loaded before the wait
 // for S^T; bit 2, delta loaded right after the P^T math, before the dV GEMM's issue and the wait
 // for dP^T; bit 4, delta loaded with lse; bit 8, with bit 1, the first two lse pairs of the
@@ -254,7 +256,11 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // is how many of the thread's kSCols / 8 lse pairs: all of them with 64-query pairs; with the
   // 80-query pairs, whose registers do not hold all ten (ptxas spills and serialises the wgmma),
   // the first two with bit 8, so that the P^T math starts while the rest arrive.
-  static constexpr int kLseAhead = (JAX_FLASH_BWD_STATS_EARLY & 1) == 0 || kPackedFactor || kSplitQ
+  // Bit 16 keeps the soft-capped kernels out (their causal cell lost 1-4% with bits 1 and 8 on
+  // an H100, docs/PERF_LOG.md).
+  static constexpr int kLseAhead = (JAX_FLASH_BWD_STATS_EARLY & 1) == 0 || kPackedFactor ||
+                                           kSplitQ ||
+                                           ((JAX_FLASH_BWD_STATS_EARLY & 16) != 0 && kSoftcap)
                                        ? 0
                                    : kSCols <= 64 ? kSCols / 8
                                    : kSCols == 80 && (JAX_FLASH_BWD_STATS_EARLY & 8) != 0 ? 2
