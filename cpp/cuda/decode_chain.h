@@ -10,8 +10,8 @@ namespace jax_flash::cuda {
 // dependents launch once its wait has returned. In a decode loop the next step's split blocks are
 // then resident and started while the merge finishes, instead of launching after it. Measured on
 // an H100 (docs/PERF_LOG.md): B=1 / 8k keys 2 us a step faster in a plain stream of calls
-// (tools/decode_check.cu --bench), unchanged inside one JAX program, where XLA's consecutive
-// launches leave no such gap. 0 (default): ordinary stream-ordered launches of the split pass.
+// (tools/decode_check.cu --bench), unchanged inside one JAX program, whose steps already ran at
+// the chained rate. 0 (default): ordinary stream-ordered launches of the split pass.
 #ifndef JAX_FLASH_DECODE_PDL
 #define JAX_FLASH_DECODE_PDL 0
 #endif
