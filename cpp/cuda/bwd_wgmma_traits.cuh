@@ -105,11 +105,12 @@ struct BwdWgmmaArgs {
 // Which head_dims hand every call's staged dQ_i to the writer warps (bwd_dq_writer), which issue
 // the TMA reductions, as the deterministic order does but without its turns (BwdWgmmaTraits::
 // kDqWriter; bit 1 for 64, bit 2 for 128; head_dim 256's split-query kernels always have their
-// writer; bit 8 lets the soft-capped kernels in). Clear, outside that order each consumer warp's
-// lane 0 issues its own box's reductions and waits for their reads before the next staging.
-// Measured on an H100 (docs/PERF_LOG.md): at 128 with stmatrix staging +2-3.6% of the masked
-// kernels' backward, -0.6 to +2.1% unmasked; at 64 causal 1k -1% in both rounds, so only bit 2 is
-// on.
+// writer; bit 8 lets the soft-capped kernels in, bit 16 only those without kMasked: on an H100
+// bit 8 gained 2-3.5% on the soft-capped unmasked cell in four rounds, -1.6 to +2.2% causal).
+// Clear, outside that order each consumer warp's lane 0 issues its own box's reductions and waits
+// for their reads before the next staging. Measured on an H100 (docs/PERF_LOG.md): at 128 with
+// stmatrix staging +2-3.6% of the masked kernels' backward, -0.6 to +2.1% unmasked; at 64 causal 1k
+// -1% in both rounds, so only bit 2 is on.
 #ifndef JAX_FLASH_BWD_DQ_WRITER
 #define JAX_FLASH_BWD_DQ_WRITER 2
 #endif
@@ -288,7 +289,8 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // spills 32 bytes with it (ptxas), and no soft-capped cell was in the measurement that turned
   // it on.
   static constexpr bool kDqWriter = kDqStaged &&
-                                    (!kSoftcap || (JAX_FLASH_BWD_DQ_WRITER & 8) != 0) &&
+                                    (!kSoftcap || (JAX_FLASH_BWD_DQ_WRITER & 8) != 0 ||
+                                     ((JAX_FLASH_BWD_DQ_WRITER & 16) != 0 && !kMasked)) &&
                                     (JAX_FLASH_BWD_DQ_WRITER & kHeadDimBit) != 0;
   // Whether a call's staged dQ_i goes to the writer warps: with kDqWriter always, otherwise only
   // in the deterministic order (dQ semaphores given).
