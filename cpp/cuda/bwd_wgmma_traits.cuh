@@ -256,7 +256,8 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // JAX_FLASH_BWD_STATS_EARLY: lse / delta loaded into registers ahead of their use. kLseAhead
   // is how many of the thread's kSCols / 8 lse pairs: all of them with 64-query pairs; with the
   // 80-query pairs, whose registers do not hold all ten (ptxas spills and serialises the wgmma),
-  // the first two with bit 8, so that the P^T math starts while the rest arrive.
+  // the first two with bit 8, so that the P^T math starts while the rest arrive; bit 32 the same
+  // for head_dim 64's 128-query pairs (sixteen pairs a thread).
   // Bit 16 keeps the soft-capped kernels out (their causal cell lost 1-4% with bits 1 and 8 on
   // an H100, docs/PERF_LOG.md).
   static constexpr int kLseAhead = (JAX_FLASH_BWD_STATS_EARLY & 1) == 0 || kPackedFactor ||
@@ -264,8 +265,10 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
                                            ((JAX_FLASH_BWD_STATS_EARLY & 16) != 0 && kSoftcap)
                                        ? 0
                                    : kSCols <= 64 ? kSCols / 8
-                                   : kSCols == 80 && (JAX_FLASH_BWD_STATS_EARLY & 8) != 0 ? 2
-                                                                                          : 0;
+                                   : (kSCols == 80 && (JAX_FLASH_BWD_STATS_EARLY & 8) != 0) ||
+                                           (kSCols == 128 && (JAX_FLASH_BWD_STATS_EARLY & 32) != 0)
+                                       ? 2
+                                       : 0;
   // Delta pairs loaded ahead (all of them, 64-query pairs only): kDeltaWithLse with lse, before
   // the wait for S^T (bit 4; not soft-capped, where ptxas then spills 116 bytes, and there as with
   // bit 2), otherwise after the P^T math (bit 2).
