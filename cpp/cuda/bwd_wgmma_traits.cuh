@@ -139,6 +139,16 @@ struct BwdWgmmaArgs {
 #define JAX_FLASH_BWD_DQ_RECORD_MBAR 0
 #endif
 inline constexpr bool kDqRecordMbar = JAX_FLASH_BWD_DQ_RECORD_MBAR != 0;
+
+// Experiment switch: head_dim 256's dQ_i (kSplitQ kernels) outside the deterministic order, added
+// from the consumers' registers with vector atomics (bwd_dq_atomics, the packed tails' path)
+// instead of staged in the pair's dead Q / dO panels for the writer warps' TMA reductions; the
+// stage then goes back to the producer without waiting for those reductions to read it.
+// FlashAttention-3's head_dim-256 backward adds dQ this way (its dQacc_use_TMA is off at 256).
+// 0 (default): staged.
+#ifndef JAX_FLASH_BWD_DQ_DIRECT
+#define JAX_FLASH_BWD_DQ_DIRECT 0
+#endif
 // sizeof(BwdDqHandoff), defined below.
 inline constexpr int kDqHandoffBytes = kDqRecordMbar ? 56 : 32;
 
@@ -284,6 +294,9 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // dO panels (free once dV is done), the second in the Q panels (once dK is); the writer warp
   // reads them accordingly.
   static constexpr bool kDqFirst = kSplitQ && JAX_FLASH_BWD_DQ_FIRST != 0;
+  // JAX_FLASH_BWD_DQ_DIRECT: kSplitQ's dQ_i from registers outside the deterministic order.
+  static constexpr bool kDqDirect = kSplitQ && JAX_FLASH_BWD_DQ_DIRECT != 0;
+
   // Whether dQ half h is staged in the Q panels (else the dO panels): the consumers stage it
   // there and the writer warp reduces it from there.
   __host__ __device__ static constexpr bool dq_half_in_q(int h) { return (h == 0) != kDqFirst; }
@@ -452,6 +465,14 @@ struct BwdCtaTile {
   int packed;   // SeqTile::packed
 };
 static_assert(sizeof(BwdCtaTile) <= 128, "BwdWgmmaTraits::kTileBytes");
+
+// Whether a pair's dQ_i is staged for the writer warps' TMA reductions (else added from
+// registers): not for a packed sequence's tail (its neighbour's rows must get nothing), nor with
+// kDqDirect outside the deterministic order. The consumers and the writer warp decide alike.
+template <class Tr>
+__device__ constexpr bool dq_staged(int flags, bool in_order) {
+  return (flags & kPairZeroRows) == 0 && (!Tr::kDqDirect || in_order);
+}
 
 // The CTA's work for block index `cta` of the grid (key tiles of one kv head fastest). kRuns: the
 // kernel may schedule rows by their documents (only the kernels that take segment ids do).
