@@ -12,7 +12,6 @@
 #include <cstdint>
 
 #include "common/decode_params.h"
-#include "cuda/decode_chain.h"
 #include "cuda/decode_simt.cuh"
 #include "cuda/grid_dependency.cuh"
 
@@ -90,11 +89,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32) decode_merge_kernel(const De
     const bool live = pass == 1;
     // Launched as the split pass's programmatic dependent: wait for that grid to finish and its
     // partials to be visible.
-    if (live) {
-      wait_for_primary();
-      // Chained: the next decode step's split pass may launch now (its blocks wait for this grid).
-      if constexpr (kDecodeChained) allow_dependents();
-    }
+    if (live) wait_for_primary();
 
     // This warp's splits, folded in rounds. A split that saw no key has lse -inf and an O_s of
     // zeros: its weight is 0. A warp that has met only such splits keeps m_w = -inf, l_w = 0 and

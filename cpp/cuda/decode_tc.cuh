@@ -19,7 +19,6 @@
 #include <cstdint>
 
 #include "common/decode_params.h"
-#include "cuda/decode_chain.h"
 #include "cuda/decode_tile.cuh"
 #include "cuda/grid_dependency.cuh"
 #include "cuda/kernel_attributes.h"
@@ -47,9 +46,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, Tr::kMinBlocks)
   // as every block of this grid has started hides its launch latency (its blocks wait for this
   // grid's completion and memory before reading a partial). A no-op without a dependent.
   allow_dependents();
-  // Chained (kDecodeChained, cuda/decode_chain.h): this grid is itself the dependent of the
-  // kernel before it, which may still run: nothing global is read or written before its end.
-  if constexpr (kDecodeChained) wait_for_primary();
 
   extern __shared__ uint4 smem_raw[];  // 16-byte alignment for cp.async and ldmatrix
   char* smem_q = reinterpret_cast<char*>(smem_raw);
@@ -166,10 +162,6 @@ cudaError_t launch_tc(const DecodeParams& p, const TcArgs& args, int64_t blocks,
   const cudaError_t err =
       configure_kernel_once<decode_tc_kernel<Tr, kPaged>>(Tr::kSmemBytes, /*max_carveout=*/true);
   if (err != cudaSuccess) return err;
-  if constexpr (kDecodeChained) {
-    return launch_dependent(kernel, static_cast<unsigned>(blocks), Tr::kNThreads, Tr::kSmemBytes,
-                            stream, p, args);
-  }
   kernel<<<static_cast<unsigned>(blocks), Tr::kNThreads, Tr::kSmemBytes, stream>>>(p, args);
   return cudaGetLastError();
 }

@@ -29,7 +29,6 @@
 #include <type_traits>
 
 #include "common/decode_params.h"
-#include "cuda/decode_chain.h"
 #include "cuda/decode_tile.cuh"
 #include "cuda/grid_dependency.cuh"
 #include "cuda/kernel_attributes.h"
@@ -55,8 +54,6 @@ __global__ void __launch_bounds__(Tr::kTmaThreads, Tr::kMinBlocks)
   constexpr int kMathBarrier = 1;  // named barrier of the math warps (0 is __syncthreads)
   // The merge pass is this grid's programmatic dependent (decode_tc.cuh says why).
   allow_dependents();
-  // Chained (kDecodeChained): launched as the previous kernel's dependent, which may still run.
-  if constexpr (kDecodeChained) wait_for_primary();
 
   extern __shared__ uint4 smem_raw[];
   // The swizzle pattern follows address bits 7-9: tiles start on 1024-byte boundaries.
@@ -225,10 +222,6 @@ cudaError_t launch_tma(const DecodeParams& p, TcArgs args, int64_t blocks, cudaS
   const cudaError_t err = configure_kernel_once<decode_tma_kernel<Tr, kPaged>>(
       Tr::kTmaSmemBytes, /*max_carveout=*/true);
   if (err != cudaSuccess) return err;
-  if constexpr (kDecodeChained) {
-    return launch_dependent(kernel, static_cast<unsigned>(blocks), Tr::kTmaThreads,
-                            Tr::kTmaSmemBytes, stream, p, args, map_k, map_v);
-  }
   kernel<<<static_cast<unsigned>(blocks), Tr::kTmaThreads, Tr::kTmaSmemBytes, stream>>>(
       p, args, map_k, map_v);
   return cudaGetLastError();
