@@ -549,7 +549,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // each as soon as the GEMM that read the panels is done), and the stage goes back to the
         // producer only once the writer warp's TMA reductions have read them. Packed tails add
         // from registers instead.
-        const bool staged = dq_staged<Tr>(flags, args.dq_semaphores != nullptr);
+        const bool staged = (flags & kPairZeroRows) == 0;
         static_assert(Tr::kDqGemms == 2 && Tr::kDqCols == 2 * 32 && Tr::kQPanelBytes == 8192,
                       "each dQ GEMM fills the two panels of Q or dO that hold its columns");
 #pragma unroll

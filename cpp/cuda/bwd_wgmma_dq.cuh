@@ -375,7 +375,7 @@ __device__ __forceinline__ void bwd_dq_writer_split(const CUtensorMap* tm_dq, ui
     if (lane == 0) flags = hdr->flags;
     flags = __shfl_sync(0xffffffffu, flags, 0);
     if (flags & kPairEnd) break;
-    const bool staged = dq_staged<Tr>(flags, args.dq_semaphores != nullptr);
+    const bool staged = (flags & kPairZeroRows) == 0;
     // The warpgroup's columns' panels of the stage.
     const uint32_t panels =
         stage * Tr::kQStageBytes + cw * Tr::kDkCols / Tr::kPanelCols * Tr::kQPanelBytes;

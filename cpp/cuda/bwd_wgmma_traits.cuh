@@ -110,15 +110,17 @@ struct BwdWgmmaArgs {
 // Clear, outside that order each consumer warp's lane 0 issues its own box's reductions and waits
 // for their reads before the next staging. Measured on an H100 (docs/PERF_LOG.md): at 128 with
 // stmatrix staging +2-3.6% of the masked kernels' backward, -0.6 to +2.1% unmasked; at 64 causal 1k
-// -1% in both rounds, so only bit 2 is on.
+// -1% in both rounds, so bits 2 and 16 are on (18: with STATS_EARLY 25, +1-5% on the head_dim-128
+// cells against 2 with 0, two rounds on an H100).
 #ifndef JAX_FLASH_BWD_DQ_WRITER
-#define JAX_FLASH_BWD_DQ_WRITER 2
+#define JAX_FLASH_BWD_DQ_WRITER 18
 #endif
 
-// Experiment switch, off (docs/PERF_LOG.md): where a pair's lse and delta reach the consumers'
-// registers. Measured on an H100: before the writer warps, 13 lost 1.3-3.3% on most masked
-// head_dim-128 cells; with them (the current default), 9 gained 1-4% on the masked and unmasked
-// head_dim-128 cells in four rounds but lost 1-4% on the soft-capped causal one, hence bit 16. 0,
+// Where a pair's lse and delta reach the consumers' registers (docs/PERF_LOG.md). Measured on an
+// H100: before the writer warps, 13 lost 1.3-3.3% on most masked head_dim-128 cells; with them, 9
+// gained 1-4% on the masked and unmasked head_dim-128 cells in four rounds but lost 1-4% on the
+// soft-capped causal one, hence bit 16 in the default 25 (bit 32, head_dim 64 too: 57, within
+// +-1% of 25 at head_dim 64 in two rounds, off). 0,
 // each read from the stage where the P^T / dS^T math uses it; bit 1, lse loaded before the wait
 // for S^T; bit 2, delta loaded right after the P^T math, before the dV GEMM's issue and the wait
 // for dP^T; bit 4, delta loaded with lse; bit 8, with bit 1, the first two lse pairs of the
@@ -126,7 +128,7 @@ struct BwdWgmmaArgs {
 // Otherwise only kernels with 64-query pairs and neither split queries nor the packed factor,
 // i.e. head_dim 128's masked and soft-capped ones: 8 values of each a thread.
 #ifndef JAX_FLASH_BWD_STATS_EARLY
-#define JAX_FLASH_BWD_STATS_EARLY 0
+#define JAX_FLASH_BWD_STATS_EARLY 25
 #endif
 
 // How the deterministic order's hand-off record (BwdDqHandoff) is ordered between a consumer
@@ -139,16 +141,6 @@ struct BwdWgmmaArgs {
 #define JAX_FLASH_BWD_DQ_RECORD_MBAR 0
 #endif
 inline constexpr bool kDqRecordMbar = JAX_FLASH_BWD_DQ_RECORD_MBAR != 0;
-
-// Experiment switch: head_dim 256's dQ_i (kSplitQ kernels) outside the deterministic order, added
-// from the consumers' registers with vector atomics (bwd_dq_atomics, the packed tails' path)
-// instead of staged in the pair's dead Q / dO panels for the writer warps' TMA reductions; the
-// stage then goes back to the producer without waiting for those reductions to read it.
-// FlashAttention-3's head_dim-256 backward adds dQ this way (its dQacc_use_TMA is off at 256).
-// 0 (default): staged.
-#ifndef JAX_FLASH_BWD_DQ_DIRECT
-#define JAX_FLASH_BWD_DQ_DIRECT 0
-#endif
 // sizeof(BwdDqHandoff), defined below.
 inline constexpr int kDqHandoffBytes = kDqRecordMbar ? 56 : 32;
 
@@ -294,9 +286,6 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // dO panels (free once dV is done), the second in the Q panels (once dK is); the writer warp
   // reads them accordingly.
   static constexpr bool kDqFirst = kSplitQ && JAX_FLASH_BWD_DQ_FIRST != 0;
-  // JAX_FLASH_BWD_DQ_DIRECT: kSplitQ's dQ_i from registers outside the deterministic order.
-  static constexpr bool kDqDirect = kSplitQ && JAX_FLASH_BWD_DQ_DIRECT != 0;
-
   // Whether dQ half h is staged in the Q panels (else the dO panels): the consumers stage it
   // there and the writer warp reduces it from there.
   __host__ __device__ static constexpr bool dq_half_in_q(int h) { return (h == 0) != kDqFirst; }
@@ -465,14 +454,6 @@ struct BwdCtaTile {
   int packed;   // SeqTile::packed
 };
 static_assert(sizeof(BwdCtaTile) <= 128, "BwdWgmmaTraits::kTileBytes");
-
-// Whether a pair's dQ_i is staged for the writer warps' TMA reductions (else added from
-// registers): not for a packed sequence's tail (its neighbour's rows must get nothing), nor with
-// kDqDirect outside the deterministic order. The consumers and the writer warp decide alike.
-template <class Tr>
-__device__ constexpr bool dq_staged(int flags, bool in_order) {
-  return (flags & kPairZeroRows) == 0 && (!Tr::kDqDirect || in_order);
-}
 
 // The CTA's work for block index `cta` of the grid (key tiles of one kv head fastest). kRuns: the
 // kernel may schedule rows by their documents (only the kernels that take segment ids do).
