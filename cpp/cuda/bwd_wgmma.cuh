@@ -757,7 +757,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
               h->end = 0;
               dq_record_publish(h);
             }
-            dq_handoff_signal(kBwdBarDqStagedBase + ctid / 128, in_order);
+            named_barrier_arrive(kBwdBarDqStagedBase + ctid / 128, kBwdDqHandoffThreads);
           } else {
             // The warp's 16 rows, staged by its own lanes: a warp barrier orders them (and their
             // proxy fences) before lane 0's reductions.
@@ -817,7 +817,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         h->end = 1;
         dq_record_publish(h);
       }
-      dq_handoff_signal(kBwdBarDqStagedBase + etid / 128, args.dq_semaphores != nullptr);
+      named_barrier_arrive(kBwdBarDqStagedBase + etid / 128, kBwdDqHandoffThreads);
     }
   }
 

@@ -268,17 +268,6 @@ __device__ __forceinline__ void dq_record_release(const BwdDqHandoff* handoff) {
 #endif
 }
 
-// One side's signal on a hand-off barrier of bwd_dq_writer (kBwdBarDqStagedBase or
-// kBwdBarDqFreeBase) where it does not need the other side: an arrival, or outside the
-// deterministic order with JAX_FLASH_BWD_DQ_HANDOFF_SYNC a full synchronisation.
-__device__ __forceinline__ void dq_handoff_signal(int barrier, bool in_order) {
-  if (JAX_FLASH_BWD_DQ_HANDOFF_SYNC != 0 && !in_order) {
-    named_barrier_sync(barrier, kBwdDqHandoffThreads);
-  } else {
-    named_barrier_arrive(barrier, kBwdDqHandoffThreads);
-  }
-}
-
 // A writer warp's turn at a tile (one lane): wait for it, then order the TMA reductions after the
 // earlier CTAs' (async-proxy writes, released through the counter) ...
 __device__ __forceinline__ void dq_turn_wait(const int32_t* sem, int ticket) {
@@ -313,16 +302,14 @@ __device__ __forceinline__ void dq_turn_pass(int32_t* sem) {
 // before each staging and once more before the end hand-off, and arrive on "staged" after each
 // staging and at the end: both sides use each barrier equally often, and neither can run a
 // phase ahead (a second arrival needs the other side's intervening one). The handoff record is
-// read before "free" is arrived on, so it too may be rewritten then. (Outside the deterministic
-// order, JAX_FLASH_BWD_DQ_HANDOFF_SYNC makes every such arrival a synchronisation:
-// dq_handoff_signal.)
+// read before "free" is arrived on, so it too may be rewritten then.
 template <class Tr>
 __device__ __forceinline__ void bwd_dq_writer(const CUtensorMap* tm_dq, uint32_t stage_dq,
                                               const BwdDqHandoff* handoff, int32_t* sems, int cw,
                                               int lane, bool pairs) {
   // Without counters (Tr::kDqWriter outside the deterministic order) there are no turns.
   const bool ordered = sems != nullptr;
-  dq_handoff_signal(kBwdBarDqFreeBase + cw, ordered);
+  named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
   for (;;) {
     named_barrier_sync(kBwdBarDqStagedBase + cw, kBwdDqHandoffThreads);
     if (dq_record_take(handoff, lane)) {
@@ -347,7 +334,7 @@ __device__ __forceinline__ void bwd_dq_writer(const CUtensorMap* tm_dq, uint32_t
       tma_wait_read();
     }
     __syncwarp();
-    dq_handoff_signal(kBwdBarDqFreeBase + cw, ordered);
+    named_barrier_arrive(kBwdBarDqFreeBase + cw, kBwdDqHandoffThreads);
     if (lane == 0 && ordered) dq_turn_pass(sem);
     // The barriers are warp-collective: the warp meets again before the next one.
     __syncwarp();

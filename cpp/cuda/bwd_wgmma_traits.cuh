@@ -136,23 +136,11 @@ struct BwdWgmmaArgs {
 // order the staging buffer too; 1, by a pair of mbarriers per record besides them (written:
 // consumer thread 0 arrives; read: writer lane 0 arrives). compute-sanitizer's racecheck follows
 // mbarriers but not bar.arrive / bar.sync pairs, and reports the record's fields under 0 (README,
-// Determinism). Measured on an H100: racecheck then reports nothing, but head_dim 128 loses 1-5%
-// and head_dim 64 causal 1k 10% (docs/PERF_LOG.md), so 0.
+// Determinism). An experiment switch: what 1 costs is to be measured.
 #ifndef JAX_FLASH_BWD_DQ_RECORD_MBAR
 #define JAX_FLASH_BWD_DQ_RECORD_MBAR 0
 #endif
 inline constexpr bool kDqRecordMbar = JAX_FLASH_BWD_DQ_RECORD_MBAR != 0;
-
-// Outside the deterministic order (the kDqWriter kernels' calls), whether the consumers and the
-// writer warp both synchronise on the staged / free barriers (bar.sync) where one side otherwise
-// only arrives (bar.arrive): 1, both sync. There the writer has no turn to wait for, so it is
-// already waiting at "staged" when the consumers get there and has nothing else to do at
-// "free": the waits should cost nothing, and racecheck follows a barrier every side syncs on,
-// which would clear the record's reports in those calls without the mbarriers' spills. The
-// deterministic order keeps the arrivals (its writer's turn must not hold up the consumers).
-#ifndef JAX_FLASH_BWD_DQ_HANDOFF_SYNC
-#define JAX_FLASH_BWD_DQ_HANDOFF_SYNC 0
-#endif
 // sizeof(BwdDqHandoff), defined below.
 inline constexpr int kDqHandoffBytes = kDqRecordMbar ? 56 : 32;
 
