@@ -136,7 +136,8 @@ struct BwdWgmmaArgs {
 // order the staging buffer too; 1, by a pair of mbarriers per record besides them (written:
 // consumer thread 0 arrives; read: writer lane 0 arrives). compute-sanitizer's racecheck follows
 // mbarriers but not bar.arrive / bar.sync pairs, and reports the record's fields under 0 (README,
-// Determinism). An experiment switch: what 1 costs is to be measured.
+// Determinism). Measured on an H100: racecheck then reports nothing, but head_dim 128 loses 1-5%
+// and head_dim 64 causal 1k 10% (docs/PERF_LOG.md), so 0.
 #ifndef JAX_FLASH_BWD_DQ_RECORD_MBAR
 #define JAX_FLASH_BWD_DQ_RECORD_MBAR 0
 #endif
