@@ -306,6 +306,19 @@ JF_HOST_DEVICE int64_t launch_group(bool unequal_tiles, int64_t unit_bytes, int6
   return g > 1 ? g : 1;
 }
 
+// Experiment switch, 0 (off) by default: the deterministic backward's launch group where the
+// tiles do equal work. That backward adds each dQ tile's key tiles in a fixed order, each CTA
+// waiting for the turns of the key tiles before it (dq_convert.cuh), and a unit-major launch starts
+// a sequence's key tiles together: the last of them then reaches its first query tile's turn only
+// after a chain of every other one's reductions, a lag that its single staging buffer cannot hide
+// (docs/PERF_LOG.md). Walking the levels of G units at a time (G = min(this, units)) starts only
+// about SMs / G consecutive key tiles of a unit together; the rest start as earlier CTAs finish,
+// behind predecessors already far ahead. A CTA still waits only for CTAs of lower grid index (its
+// unit's lower levels), so the wait still always ends. Banded and packed calls keep their group.
+#ifndef JAX_FLASH_DET_LAUNCH_GROUP
+#define JAX_FLASH_DET_LAUNCH_GROUP 0
+#endif
+
 // Quotient by a divisor d the host fixes before a launch, as one multiply-high and a shift. With
 // p = 31 + ceil(log2 d) and m = ceil(2^p / d) (below 2^32), m = (2^p + e) / d for some 0 <= e < d,
 // so for 0 <= x < 2^31 the product x m / 2^p is x / d plus x e / (d 2^p) < 1 / d, and its floor
@@ -417,17 +430,22 @@ struct LaunchOrder {
 // in its launch_group. A unit's tiles share one sequence's keys (keys = true: the forward's K and
 // V) or queries (the backward's Q and dO): at most max_seqlen rows of a packed call, seqlen of a
 // dense one, of row_bytes each, which shared_by adjacent units (the query heads of a GQA group)
-// read too. `heads`: the heads a unit index runs over, for LaunchOrder::work.
+// read too. `heads`: the heads a unit index runs over, for LaunchOrder::work. `dq_in_order`: the
+// backward's deterministic order (JAX_FLASH_DET_LAUNCH_GROUP).
 JF_HOST_DEVICE LaunchOrder launch_order(const SeqLayout& l, const MaskParams& m, int64_t units,
                                         int64_t per_unit, bool keys, int64_t row_bytes,
-                                        int64_t shared_by, int64_t heads = 1) {
+                                        int64_t shared_by, int64_t heads = 1,
+                                        bool dq_in_order = false) {
   const bool segments = m.segments.enabled();
   const int64_t rows = keys ? (l.varlen() ? l.max_seqlen_k : l.seqlen_k)
                             : (l.varlen() ? l.max_seqlen_q : l.seqlen_q);
   const int64_t bytes = rows * row_bytes / shared_by;
   const bool unequal = l.varlen() || segments || m.band.one_sided();
-  return {units, per_unit, launch_group(unequal, segments ? 0 : (bytes > 0 ? bytes : 1), units),
-          heads};
+  int64_t group = launch_group(unequal, segments ? 0 : (bytes > 0 ? bytes : 1), units);
+  if (JAX_FLASH_DET_LAUNCH_GROUP > 0 && dq_in_order && !unequal) {
+    group = JAX_FLASH_DET_LAUNCH_GROUP < units ? JAX_FLASH_DET_LAUNCH_GROUP : units;
+  }
+  return {units, per_unit, group, heads};
 }
 
 }  // namespace jax_flash

@@ -1003,7 +1003,7 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
     args.order = launch_order(
         layout, params.mask, layout.varlen() ? params.heads_kv : layout.batch * params.heads_kv,
         layout.varlen() ? tiles : (layout.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN, false,
-        kHeadDim * 2 * 2 * group, 1, params.heads_kv);
+        kHeadDim * 2 * 2 * group, 1, params.heads_kv, params.dq_semaphores != nullptr);
     const double softcap = params.mask.softcap;
     args.scale = static_cast<float>(params.softmax_scale);
     args.scale_log2 = static_cast<float>((kSoftcap ? softcap : params.softmax_scale) * M_LOG2E);

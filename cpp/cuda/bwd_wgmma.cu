@@ -154,7 +154,8 @@ cudaError_t launch(const BwdParams& p, CUtensorMapDataType type, cudaStream_t st
     args.group = static_cast<int>(p.heads_q / p.heads_kv);
     // The data a unit's CTAs share at one time is one sequence's Q and dO of its query heads.
     args.order = launch_order(l, p.mask, p.heads_kv, tiles, false,
-                              kHeadDim * 2 * int64_t{sizeof(T)} * args.group, 1);
+                              kHeadDim * 2 * int64_t{sizeof(T)} * args.group, 1, 1,
+                              p.dq_semaphores != nullptr);
     args.scale = static_cast<float>(p.softmax_scale);
     args.scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
     const double cap = p.mask.softcap;
