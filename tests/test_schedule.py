@@ -20,6 +20,11 @@ def test_launch_order_and_chunk_ranges(run_native) -> None:
     assert "check out" in run_native("schedule_check")
 
 
+def test_deterministic_launch_group(run_native) -> None:
+    # Built with the experiment switch JAX_FLASH_DET_LAUNCH_GROUP set (off in the library).
+    assert "check out" in run_native("det_launch_group_check")
+
+
 @pytest.mark.parametrize("length", [1, 16, 17, 200, 1000])
 @pytest.mark.parametrize("suffix", [False, True])
 def test_segment_records(length: int, suffix: bool) -> None:
