@@ -263,15 +263,15 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // for head_dim 64's 128-query pairs (sixteen pairs a thread).
   // Bit 16 keeps the soft-capped kernels out (their causal cell lost 1-4% with bits 1 and 8 on
   // an H100, docs/PERF_LOG.md).
-  static constexpr int kLseAhead = (JAX_FLASH_BWD_STATS_EARLY & 1) == 0 || kPackedFactor ||
-                                           kSplitQ ||
-                                           ((JAX_FLASH_BWD_STATS_EARLY & 16) != 0 && kSoftcap)
-                                       ? 0
-                                   : kSCols <= 64 ? kSCols / 8
-                                   : (kSCols == 80 && (JAX_FLASH_BWD_STATS_EARLY & 8) != 0) ||
-                                           (kSCols == 128 && (JAX_FLASH_BWD_STATS_EARLY & 32) != 0)
-                                       ? 2
-                                       : 0;
+  static constexpr int lse_ahead() {
+    constexpr int kBits = JAX_FLASH_BWD_STATS_EARLY;
+    if ((kBits & 1) == 0 || kPackedFactor || kSplitQ || ((kBits & 16) != 0 && kSoftcap)) return 0;
+    if (kSCols <= 64) return kSCols / 8;
+    if (kSCols == 80 && (kBits & 8) != 0) return 2;
+    if (kSCols == 128 && (kBits & 32) != 0) return 2;
+    return 0;
+  }
+  static constexpr int kLseAhead = lse_ahead();
   // Delta pairs loaded ahead (all of them, 64-query pairs only): kDeltaWithLse with lse, before
   // the wait for S^T (bit 4; not soft-capped, where ptxas then spills 116 bytes, and there as with
   // bit 2), otherwise after the P^T math (bit 2).
