@@ -30,13 +30,14 @@ def _race(first: tuple[str, str], *others: tuple[str, str], prefix: str = "") ->
     return "\n".join(lines) + "\n========= \n"
 
 
-def _log(*races: str, displayed: int | None = None) -> str:
+def _log(*races: str, displayed: int | None = None, errors: int | None = None) -> str:
     n = len(races) if displayed is None else displayed
+    e = n if errors is None else errors
     body = "".join(races)
     return (
         "========= COMPUTE-SANITIZER\n"
         + body
-        + f"========= RACECHECK SUMMARY: {n} hazards displayed ({n} errors, 0 warnings)\n"
+        + f"========= RACECHECK SUMMARY: {n} hazards displayed ({e} errors, 0 warnings)\n"
     )
 
 
@@ -79,6 +80,13 @@ def test_other_races_fail(tmp_path: pathlib.Path, race: str) -> None:
 def test_cut_display_fails(tmp_path: pathlib.Path) -> None:
     races = [_race(("Read", _WRITER), ("Write", _KERNEL))] * 100
     assert _run(tmp_path, _log(*races)) == 3
+
+
+def test_print_limit_cut_fails(tmp_path: pathlib.Path) -> None:
+    # `--print-limit 5` over 656 reports: the first five are on the record, the rest unseen.
+    races = [_race(("Read", _WRITER), ("Write", _KERNEL))] * 5
+    assert _run(tmp_path, _log(*races, errors=656)) == 3
+    assert _run(tmp_path, _log(*races)) == 0
 
 
 def test_unparsed_report_fails(tmp_path: pathlib.Path) -> None:

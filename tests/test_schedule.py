@@ -21,7 +21,7 @@ def test_launch_order_and_chunk_ranges(run_native) -> None:
 
 
 def test_deterministic_launch_group(run_native) -> None:
-    # Built with the experiment switch JAX_FLASH_DET_LAUNCH_GROUP set (off in the library).
+    # Built with JAX_FLASH_DET_LAUNCH_GROUP set to 6 (the library's is 4).
     assert "check out" in run_native("det_launch_group_check")
 
 

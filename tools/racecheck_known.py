@@ -7,7 +7,7 @@ the "free" barrier). PTX orders that pattern; racecheck does not follow `bar.arr
 the record's fields in every kernel whose dQ goes through the writer warps. Built with
 JAX_FLASH_BWD_DQ_RECORD_MBAR=1 the record is ordered by mbarriers as well and racecheck reports
 nothing in any kernel (docs/PERF_LOG.md). A hazard anywhere else, or a display cut at racecheck's
-limit (which could hide one), fails.
+limit or a smaller --print-limit (either could hide one), fails.
 
 Usage: python3 tools/racecheck_known.py LOG    (exit 0: only the record; 3: anything else)
 """
@@ -20,7 +20,7 @@ import sys
 # racecheck shows at most this many errors, whatever --print-limit says.
 _DISPLAY_LIMIT = 100
 _ACCESS = re.compile(r"(?:between|and) (Read|Write) access at (.*?) in \S+?:\d+")
-_SUMMARY = re.compile(r"RACECHECK SUMMARY: (\d+) hazards displayed")
+_SUMMARY = re.compile(r"RACECHECK SUMMARY: (\d+) hazards displayed \((\d+) errors")
 
 
 def _on_record(accesses: list[tuple[str, str]]) -> bool:
@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
     if summary is None:
         print("racecheck_known: no RACECHECK SUMMARY in the log (the run did not finish)")
         return 3
-    displayed = int(summary.group(1))
+    displayed, errors = int(summary.group(1)), int(summary.group(2))
     known, other, shown = check(text)
     print(
         f"racecheck_known: {displayed} hazards displayed, {known} on the dQ hand-off record, "
@@ -86,6 +86,10 @@ def main(argv: list[str]) -> int:
         print("  " + line[:300])
     if known + other != displayed:
         print(f"racecheck_known: parsed {known + other} reports of the {displayed} displayed")
+        return 3
+    if errors > displayed:
+        # A smaller --print-limit shows only the first reports of a longer count.
+        print(f"racecheck_known: {errors} errors, {displayed} displayed; the rest are not shown")
         return 3
     if displayed >= _DISPLAY_LIMIT:
         print(f"racecheck_known: the display stopped at {_DISPLAY_LIMIT}; a hazard may be hidden")

@@ -1,5 +1,5 @@
-// Checks launch_order's group for the deterministic backward with the experiment switch
-// JAX_FLASH_DET_LAUNCH_GROUP set (common/schedule.h), on the host:
+// Checks launch_order's group for the deterministic backward with JAX_FLASH_DET_LAUNCH_GROUP set
+// to 6, a group the library's default does not use (common/schedule.h), on the host:
 // - a deterministic call whose tiles do equal work (dense, no band or a two-sided one, no segment
 //   ids) walks min(G, units) units at a time;
 // - every other call, deterministic or not, keeps launch_group's choice, which the same call gets
