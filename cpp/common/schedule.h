@@ -298,29 +298,33 @@ JF_HOST_DEVICE SeqLayout with_runs(SeqLayout l, const SegmentIds& s) {
 inline constexpr int64_t kLaunchGroupBytes = int64_t{16} << 20;
 inline constexpr int64_t kMaxLaunchGroup = 16;
 
-JF_HOST_DEVICE int64_t launch_group(bool unequal_tiles, int64_t unit_bytes, int64_t units) {
-  if (!unequal_tiles || units <= 1) return 1;
-  int64_t g = unit_bytes > 0 ? kLaunchGroupBytes / unit_bytes : kMaxLaunchGroup;
-  g = g < kMaxLaunchGroup ? g : kMaxLaunchGroup;
-  g = g < units ? g : units;
-  return g > 1 ? g : 1;
-}
-
-// The deterministic backward's launch group where the tiles do equal work (0: unit-major, as the
-// default order; A/B builds move it). That backward adds each dQ tile's key tiles in a fixed
-// order, each CTA waiting for the turns of the key tiles before it (dq_convert.cuh), and a
-// unit-major launch starts a sequence's key tiles together: the last of them then reaches its
-// first query tile's turn only after a chain of every other one's reductions, a lag that its
-// single staging buffer cannot hide. Walking the levels of G units at a time (G = min(this,
-// units)) starts only about SMs / G consecutive key tiles of a unit together; the rest start as
-// earlier CTAs finish, behind predecessors already far ahead. A CTA still waits only for CTAs of
-// lower grid index (its unit's lower levels), so the wait still always ends. Banded and packed
-// calls keep their group. Measured on an H100 (docs/PERF_LOG.md): groups of 4 cut the
+// The exception: the deterministic backward's group where the tiles do equal work (`dq_in_order`;
+// 0: unit-major, as the default order; A/B builds move it). That backward adds each dQ tile's key
+// tiles in a fixed order, each CTA waiting for the turns of the key tiles before it
+// (dq_convert.cuh), and a unit-major launch starts a sequence's key tiles together: the last of
+// them then reaches its first query tile's turn only after a chain of every other one's reductions,
+// a lag that its single staging buffer cannot hide. Walking the levels of G units at a time (G =
+// min(this, units)) starts only about SMs / G consecutive key tiles of a unit together; the rest
+// start as earlier CTAs finish, behind predecessors already far ahead. A CTA still waits only for
+// CTAs of lower grid index (its unit's lower levels), so the wait still always ends. Banded and
+// packed calls keep their group. Measured on an H100 (docs/PERF_LOG.md): groups of 4 cut the
 // deterministic order's cost on 4k unmasked calls from 8-17% to 4-5% of the backward (head_dim 64
 // and 128) and from 21% to 12-13% (256); groups of 16 gained less.
 #ifndef JAX_FLASH_DET_LAUNCH_GROUP
 #define JAX_FLASH_DET_LAUNCH_GROUP 4
 #endif
+
+JF_HOST_DEVICE int64_t launch_group(bool unequal_tiles, int64_t unit_bytes, int64_t units,
+                                    bool dq_in_order = false) {
+  if (units <= 1) return 1;
+  int64_t g = dq_in_order ? JAX_FLASH_DET_LAUNCH_GROUP : 1;
+  if (unequal_tiles) {
+    g = unit_bytes > 0 ? kLaunchGroupBytes / unit_bytes : kMaxLaunchGroup;
+    g = g < kMaxLaunchGroup ? g : kMaxLaunchGroup;
+  }
+  g = g < units ? g : units;
+  return g > 1 ? g : 1;
+}
 
 // Quotient by a divisor d the host fixes before a launch, as one multiply-high and a shift. With
 // p = 31 + ceil(log2 d) and m = ceil(2^p / d) (below 2^32), m = (2^p + e) / d for some 0 <= e < d,
@@ -444,11 +448,8 @@ JF_HOST_DEVICE LaunchOrder launch_order(const SeqLayout& l, const MaskParams& m,
                             : (l.varlen() ? l.max_seqlen_q : l.seqlen_q);
   const int64_t bytes = rows * row_bytes / shared_by;
   const bool unequal = l.varlen() || segments || m.band.one_sided();
-  int64_t group = launch_group(unequal, segments ? 0 : (bytes > 0 ? bytes : 1), units);
-  if (JAX_FLASH_DET_LAUNCH_GROUP > 0 && dq_in_order && !unequal) {
-    group = JAX_FLASH_DET_LAUNCH_GROUP < units ? JAX_FLASH_DET_LAUNCH_GROUP : units;
-  }
-  return {units, per_unit, group, heads};
+  return {units, per_unit,
+          launch_group(unequal, segments ? 0 : (bytes > 0 ? bytes : 1), units, dq_in_order), heads};
 }
 
 }  // namespace jax_flash
