@@ -80,33 +80,6 @@ inline constexpr bool kFwdWgSkip = JAX_FLASH_FWD_WG_SKIP != 0;
 #define JAX_FLASH_FWD_PINGPONG 3
 #endif
 
-// Exponentials on the FMA pipe (tc::exp2_fma): JAX_FLASH_FWD_EXP2_FMA of every 8 score pairs of a
-// row, in the kernels whose bit is set in JAX_FLASH_FWD_EXP2_FMA_KERNELS: 1 head_dim 64, 2
-// soft-capped (any head_dim; their tanh doubles the special-function unit's work), 4 head_dim 128,
-// 8 head_dim 256. At head_dim 64 one score's exp2 on the special-function unit (16 a cycle an SM)
-// takes as long as its two GEMMs on the tensor cores; each pair moved costs ~9 FMA-pipe
-// instructions a score instead.
-#ifndef JAX_FLASH_FWD_EXP2_FMA
-#define JAX_FLASH_FWD_EXP2_FMA 0
-#endif
-#ifndef JAX_FLASH_FWD_EXP2_FMA_KERNELS
-#define JAX_FLASH_FWD_EXP2_FMA_KERNELS 3
-#endif
-
-// How a kernel computes its scores' exponentials: kFma of every 8 score pairs of a row on the FMA
-// pipe (tc::exp2_fma, a polynomial of degree kDegree), the rest on the special-function unit.
-template <int kFma_, int kDegree_>
-struct Exp2Split {
-  static constexpr int kFma = kFma_;
-  static constexpr int kDegree = kDegree_;
-  // Pair i goes to the FMA pipe when (i + 1) kFma / 8 steps past i kFma / 8: kFma pairs of every
-  // 8, spread evenly through the row.
-  __host__ __device__ static constexpr bool on_fma(int i) {
-    return ((i + 1) * kFma) / 8 != (i * kFma) / 8;
-  }
-};
-using Exp2Mufu = Exp2Split<0, 3>;
-
 // Everything a launch needs besides the four tensor maps, computed on the host.
 struct FwdWgmmaArgs {
   void* o;     // packed calls store the O rows of a tile that straddles a sequence end by hand
@@ -217,12 +190,6 @@ struct FwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // JAX_FLASH_FWD_PINGPONG).
   static constexpr int kHeadDimBit = kHeadDim == 64 ? 1 : kHeadDim == 128 ? 2 : 4;
   static constexpr bool kPingPong = (JAX_FLASH_FWD_PINGPONG & kHeadDimBit) != 0;
-  // The scores' exponentials (JAX_FLASH_FWD_EXP2_FMA): the polynomial's degree keeps its error far
-  // below the rounding of P to the element type.
-  static constexpr int kExp2FmaBit = kSoftcapOn ? 2 : kHeadDim == 64 ? 1 : kHeadDim == 128 ? 4 : 8;
-  using Exp2 =
-      Exp2Split<(JAX_FLASH_FWD_EXP2_FMA_KERNELS & kExp2FmaBit) ? JAX_FLASH_FWD_EXP2_FMA : 0,
-                std::is_same_v<T, __nv_bfloat16> ? 3 : 4>;
   // One CTA runs many tiles in turn (fwd_wgmma_persistent_kernel): two Q buffers, used by
   // alternate tiles, so that the next tile's Q loads while this one's key blocks are computed.
   static constexpr bool kPersistent = kPersistentOn;
@@ -428,24 +395,15 @@ __device__ __forceinline__ float row_max(const float (&s)[kBlockN / 2], int r) {
   return mx;
 }
 
-template <class Ex>
-__device__ __forceinline__ float exp2_split(float x, bool on_fma) {
-  if constexpr (Ex::kFma > 0) {
-    if (on_fma) return tc::exp2_fma<Ex::kDegree>(x);
-  }
-  return tc::fast_exp2(x);
-}
-
 // Replaces the scores of row r by P = 2^(S * scale - m_use) and returns this thread's sum of them
 // (two partial sums halve the dependent-add chain).
-template <int kBlockN, class Ex = Exp2Mufu>
+template <int kBlockN>
 __device__ __forceinline__ float exp_row(float (&s)[kBlockN / 2], int r, float scale, float m_use) {
   float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
   for (int i = 0; i < kBlockN / 8; ++i) {
-    const bool on_fma = Ex::on_fma(i);
-    const float p0 = exp2_split<Ex>(fmaf(s[4 * i + 2 * r], scale, -m_use), on_fma);
-    const float p1 = exp2_split<Ex>(fmaf(s[4 * i + 2 * r + 1], scale, -m_use), on_fma);
+    const float p0 = tc::fast_exp2(fmaf(s[4 * i + 2 * r], scale, -m_use));
+    const float p1 = tc::fast_exp2(fmaf(s[4 * i + 2 * r + 1], scale, -m_use));
     s[4 * i + 2 * r] = p0;
     s[4 * i + 2 * r + 1] = p1;
     sum0 += p0;
@@ -457,26 +415,26 @@ __device__ __forceinline__ float exp_row(float (&s)[kBlockN / 2], int r, float s
 // Moves row r's running max m to m_new: alpha = 2^(m - m_new), the row's scores become
 // P = 2^(S * scale - m_new) and l takes their sum. A row that has seen no key keeps m = -inf; its
 // subtraction point is clamped to 0 so that P = 0 and alpha = 0 come out instead of NaN.
-template <int kBlockN, class Ex = Exp2Mufu>
+template <int kBlockN>
 __device__ __forceinline__ void advance_row(float (&s)[kBlockN / 2], int r, float m_new,
                                             float (&m)[2], float (&l)[2], float (&alpha)[2],
                                             float scale) {
   const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;
   alpha[r] = tc::fast_exp2(m[r] - m_use);
   m[r] = m_new;
-  l[r] = l[r] * alpha[r] + exp_row<kBlockN, Ex>(s, r, scale, m_use);
+  l[r] = l[r] * alpha[r] + exp_row<kBlockN>(s, r, scale, m_use);
 }
 
 // Online softmax of one S tile in base 2 (FlashAttention-2, Algorithm 1, lines 8-10): updates the
 // running row max m and partial row sum l, replaces S by P = 2^(S * scale - m) and returns the
 // factor alpha by which O must be rescaled. `scale` is scale_log2, or softcap * log2(e) on
 // soft-capped (tanh) scores (advance_row says how a row that has seen no key stays NaN-free).
-template <int kBlockN, class Ex = Exp2Mufu>
+template <int kBlockN>
 __device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 2], float (&m)[2],
                                                float (&l)[2], float (&alpha)[2], float scale) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    advance_row<kBlockN, Ex>(s, r, fmaxf(m[r], row_max<kBlockN>(s, r) * scale), m, l, alpha, scale);
+    advance_row<kBlockN>(s, r, fmaxf(m[r], row_max<kBlockN>(s, r) * scale), m, l, alpha, scale);
   }
 }
 
@@ -498,14 +456,14 @@ __device__ __forceinline__ void online_softmax(float (&s)[kBlockN / 2], float (&
 inline constexpr float kFreezeHeadroom = 16.f;
 inline constexpr float kFreezeGap = 76.f;
 
-template <int kBlockN, class Ex = Exp2Mufu>
+template <int kBlockN>
 __device__ __forceinline__ void online_softmax_freezing(float (&s)[kBlockN / 2], float (&m)[2],
                                                         float (&l)[2], float (&alpha)[2],
                                                         float scale, int& freeze) {
   if (freeze > 0) {
     freeze = 2;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) l[r] += exp_row<kBlockN, Ex>(s, r, scale, m[r]);
+    for (int r = 0; r < 2; ++r) l[r] += exp_row<kBlockN>(s, r, scale, m[r]);
     return;
   }
   float m_new[2];
@@ -524,7 +482,7 @@ __device__ __forceinline__ void online_softmax_freezing(float (&s)[kBlockN / 2],
     }
   }
 #pragma unroll
-  for (int r = 0; r < 2; ++r) advance_row<kBlockN, Ex>(s, r, m_new[r], m, l, alpha, scale);
+  for (int r = 0; r < 2; ++r) advance_row<kBlockN>(s, r, m_new[r], m, l, alpha, scale);
 }
 
 // Zeroes rows [valid, kBlockN) of one K/V stage tile, every panel, with one warp. A whole
@@ -929,9 +887,9 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
         const float scale = Tr::kSoftcap ? args.softcap_log2 : args.scale_log2;
         const auto softmax = [&] {
           if constexpr (Tr::kFreezeMax) {
-            online_softmax_freezing<kBlockN, typename Tr::Exp2>(s, m, l, alpha, scale, freeze);
+            online_softmax_freezing<kBlockN>(s, m, l, alpha, scale, freeze);
           } else {
-            online_softmax<kBlockN, typename Tr::Exp2>(s, m, l, alpha, scale);
+            online_softmax<kBlockN>(s, m, l, alpha, scale);
           }
         };
         // O's rescale by the alpha of the block before; nothing once a frozen warp's alpha is 1.

@@ -175,32 +175,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// 2^x on the FMA pipe, for softmaxes that the special-function unit bounds (the forward's head_dim
-// 64 and soft-capped kernels, JAX_FLASH_FWD_EXP2_FMA): computing part of a tile's exponentials
-// here leaves the MUFU fewer. x = j + f with j = floor(x): a round-down add of 1.5 * 2^23 + 127
-// leaves j + 127, the biased exponent of 2^j, in the sum's low mantissa bits, which a shift moves
-// into place; 2^f on [0, 1) is a minimax polynomial with relative error 7.5e-5 (degree 3; bf16 P
-// rounds at 2^-9 = 2.0e-3) or 2.7e-6 (degree 4; fp16 P rounds at 2^-12 = 2.4e-4). x is clamped at
-// -127, where 2^j is exactly +0, so -inf gives 0 as ex2.approx.ftz does; the clamp keeps a NaN
-// (max.NaN), and a NaN then comes out (NaN * 0). Valid for x <= 127.
-template <int kDegree>
-__device__ __forceinline__ float exp2_fma(float x) {
-  static_assert(kDegree == 3 || kDegree == 4, "2^f on [0, 1): degree 3 or 4");
-  float xc;
-  asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(xc) : "f"(x), "f"(-127.f));
-  constexpr float kMagic = 12582912.f + 127.f;
-  const float t = __fadd_rd(xc, kMagic);
-  const float f = xc - (t - kMagic);
-  float p;
-  if constexpr (kDegree == 3) {
-    p = fmaf(fmaf(fmaf(0.078023009f, f, 0.22606939f), f, 0.69583285f), f, 0.99992526f);
-  } else {
-    p = fmaf(fmaf(fmaf(fmaf(0.013542222f, f, 0.051996086f), f, 0.24145146f), f, 0.69300252f), f,
-             1.0000026f);
-  }
-  return p * __uint_as_float(__float_as_uint(t) << 23);
-}
-
 // tanh on the special-function unit (maximum relative error about 2^-11, bf16-level): logit
 // soft-capping's s = c * tanh(x / c). Every tensor-core kernel (mma.sync and wgmma, forward and
 // backward) and the decode kernel use this one function, so the backward's recomputed
