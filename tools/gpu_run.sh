@@ -48,6 +48,22 @@ run_stage() {
   return "$rc"
 }
 
+# racecheck over sanitize_cases' selection ($1), one process a case, each log read by
+# tools/racecheck_known.py; the logs are concatenated into one on stdout (the device returns few
+# files). Fails if any case's racecheck or check fails.
+racecheck_each_case() {
+  local n rc=0 log=/tmp/racecheck_case.log
+  n=$(build/gpu/sanitize_cases "$1" --count) || return 1
+  for ((i = 0; i < n; i++)); do
+    echo "--- case $i of $n"
+    timeout 120 compute-sanitizer --tool racecheck build/gpu/sanitize_cases "$1" --case "$i" \
+      > "$log" 2>&1 || rc=1
+    cat "$log"
+    python3 tools/racecheck_known.py "$log" || rc=1
+  done
+  return $rc
+}
+
 # A standalone driver of a Hopper kernel family: build, run its correctness grid and timings, and
 # on a failure rerun its small grid under memcheck.
 kernel_check() {
@@ -96,17 +112,16 @@ for stage in "${expanded[@]}"; do
     sanitize)
       run_stage memcheck timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 \
         build/gpu/sanitize_cases
-      # racecheck takes about 130-300 s over the cases. Its display stops at 100 hazards (a larger
-      # --print-limit does not raise that), which the deterministic hand-off record alone fills
-      # (README, Determinism): every other case runs on its own, and there racecheck may report
-      # only the head_dim-128 kernels' hand-off record, whose dQ goes through the writer warps in
-      # both orders (tools/racecheck_known.py fails on anything else or on a cut display); the
-      # deterministic cases' reports are kept for reading.
+      # racecheck takes about 80-300 s over the cases. Its display stops at 100 hazards (a larger
+      # --print-limit does not raise that), which the deterministic cases' hand-off record fills
+      # when they run together (README, Determinism). So the other cases run in one process and
+      # the deterministic ones one case a process, and every log must show nothing but the
+      # hand-off record, whose dQ goes through the writer warps (tools/racecheck_known.py fails on
+      # anything else or on a cut display).
       run_stage racecheck timeout 300 compute-sanitizer --tool racecheck \
         build/gpu/sanitize_cases --no-deterministic &&
         run_stage racecheck-known python3 tools/racecheck_known.py "$out/racecheck.log"
-      run_stage racecheck-deterministic timeout 150 compute-sanitizer --tool racecheck \
-        build/gpu/sanitize_cases --deterministic-only
+      run_stage racecheck-deterministic racecheck_each_case --deterministic-only
       JAX_FLASH_CUDA_FAMILY=mma run_stage memcheck-mma timeout 150 compute-sanitizer \
         --tool memcheck --error-exitcode 3 build/gpu/sanitize_cases
       ;;

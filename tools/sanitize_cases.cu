@@ -3,11 +3,12 @@
 // causal masking, windows, softcap, sinks, segment ids, packed batches, GQA, each tensor-core
 // head dim and the deterministic backward's dQ order. JAX_FLASH_CUDA_FAMILY=mma runs the mma.sync
 // family where wgmma would apply. Usage: compute-sanitizer --tool memcheck
-// ./sanitize_cases [--deterministic-only | --no-deterministic]. Exits non-zero on any CUDA error or
-// non-finite output. --deterministic-only runs the deterministic backward's cases alone (a third
-// of racecheck's time), to read every hazard racecheck reports there (README, Determinism);
-// --no-deterministic runs every other case, where racecheck must report none (its display stops
-// at 100 hazards, which the deterministic hand-off record alone fills).
+// ./sanitize_cases [--deterministic-only | --no-deterministic] [--count | --case I]. Exits
+// non-zero on any CUDA error or non-finite output. --deterministic-only runs the deterministic
+// backward's cases alone, --no-deterministic every other case; racecheck may report only the
+// backward's dQ hand-off record in either (tools/racecheck_known.py), and since its display stops
+// at 100 hazards, which the deterministic cases' record fills together, those are checked one
+// case a process (--count, --case; tools/gpu_run.sh).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -364,10 +365,28 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool deterministic_only = argc > 1 && std::strcmp(argv[1], "--deterministic-only") == 0;
-  const bool no_deterministic = argc > 1 && std::strcmp(argv[1], "--no-deterministic") == 0;
-  if (argc > 1 && !deterministic_only && !no_deterministic) {
-    std::fprintf(stderr, "usage: %s [--deterministic-only | --no-deterministic]\n", argv[0]);
+  bool deterministic_only = false, no_deterministic = false, count_only = false;
+  long only_case = -1;
+  bool usage_error = false;
+  for (int a = 1; a < argc; ++a) {
+    if (std::strcmp(argv[a], "--deterministic-only") == 0) {
+      deterministic_only = true;
+    } else if (std::strcmp(argv[a], "--no-deterministic") == 0) {
+      no_deterministic = true;
+    } else if (std::strcmp(argv[a], "--count") == 0) {
+      count_only = true;
+    } else if (std::strcmp(argv[a], "--case") == 0 && a + 1 < argc) {
+      char* end = nullptr;
+      only_case = std::strtol(argv[++a], &end, 10);
+      usage_error = usage_error || *end != '\0' || only_case < 0;
+    } else {
+      usage_error = true;
+    }
+  }
+  if (usage_error || (deterministic_only && no_deterministic)) {
+    std::fprintf(stderr,
+                 "usage: %s [--deterministic-only | --no-deterministic] [--count | --case I]\n",
+                 argv[0]);
     return 2;
   }
   std::mt19937_64 rng(1234);
@@ -442,6 +461,20 @@ int main(int argc, char** argv) {
                                  return c.deterministic != deterministic_only;
                                }),
                 cases.end());
+  }
+  // --count prints the selection's size; --case I runs its case I alone. racecheck displays at
+  // most 100 hazards a process, which the deterministic cases' hand-off record fills together, so
+  // tools/gpu_run.sh checks those one process a case.
+  if (count_only) {
+    std::printf("%zu\n", cases.size());
+    return 0;
+  }
+  if (only_case >= 0) {
+    if (only_case >= static_cast<long>(cases.size())) {
+      std::fprintf(stderr, "--case %ld: the selection has %zu cases\n", only_case, cases.size());
+      return 2;
+    }
+    cases = {cases[static_cast<size_t>(only_case)]};
   }
   int failures = 0;
   for (const Case& c : cases) failures += !run_case(c, rng);

@@ -168,7 +168,9 @@ __device__ __forceinline__ void red_add_f32x2(float* gmem, float a, float b) {
 }
 
 // 2^x on the special-function unit. Softmax works in base 2 with log2(e) folded into the scale,
-// so each score costs one FMA and one ex2 instead of a multiply and a full-precision expf.
+// so each score costs one FMA and one ex2 instead of a multiply and a full-precision expf. (Part of
+// a row's exponentials as a polynomial on the FMA pipe instead measured slower in the forward at
+// head_dim 64 and with softcap, where the unit was thought the limit: docs/PERF_LOG.md.)
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
