@@ -519,7 +519,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const auto dq_gemm = [&](int h) {
 #pragma unroll
           for (int k = 0; k < kBlockN / 16; ++k) {
-            wgmma_ss_trans<Tr::kDqCols, T>(
+            wgmma_ss_mn<Tr::kDqCols, true, true, T>(
                 dq, desc_advance(ds_desc, k * 16 * Tr::kRowBytes),
                 desc_advance(k_mn_desc, h * Tr::kKVPanelBytes + k * 16 * Tr::kRowBytes),
                 k > 0 ? 1u : 0u);
@@ -681,7 +681,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           const uint64_t dsk_desc = smem_desc_sw128(ds_smem + buf * Tr::kDsBytes, 16);
 #pragma unroll
           for (int k = 0; k < kBlockN / 16; ++k) {
-            wgmma_ss_ta<kBlockM, T>(
+            wgmma_ss_mn<kBlockM, true, false, T>(
                 dq, desc_advance(k_mn_desc, k * 16 * Tr::kRowBytes),
                 desc_advance(dsk_desc, (k / 4) * Tr::kDsPanelBytes + (k % 4) * 32),
                 k > 0 ? 1u : 0u);
@@ -689,9 +689,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         } else {
 #pragma unroll
           for (int k = 0; k < kBlockN / 16; ++k) {
-            wgmma_ss_trans<Tr::kDqCols, T>(dq, desc_advance(ds_desc, k * 16 * Tr::kRowBytes),
-                                           desc_advance(k_mn_desc, k * 16 * Tr::kRowBytes),
-                                           k > 0 ? 1u : 0u);
+            wgmma_ss_mn<Tr::kDqCols, true, true, T>(
+                dq, desc_advance(ds_desc, k * 16 * Tr::kRowBytes),
+                desc_advance(k_mn_desc, k * 16 * Tr::kRowBytes), k > 0 ? 1u : 0u);
           }
         }
         wgmma_commit();

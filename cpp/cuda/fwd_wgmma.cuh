@@ -519,18 +519,20 @@ __device__ __forceinline__ void zero_tile_rows(uint8_t* tile, int valid, int lan
 }
 
 // Stores this warpgroup's P (the S accumulator after the softmax, rounded to T) into its
-// shared-memory panels, one stmatrix.x4 per 16 keys: the accumulator's four pairs of key group k
-// are the four 8x8 matrices (rows 0-7 / 8-15 of the warp, keys 0-7 / 8-15 of the group), and
-// lane l addresses row l % 8 of matrix l / 8 in the 128-byte swizzle (chunk c of row r at
-// c ^ (r % 8)). `row` is the shared address of the lane's row in panel 0.
-template <int kBlockN, typename T>
-__device__ __forceinline__ void store_p(const float (&s)[kBlockN / 2], uint32_t row, int lane,
-                                        int panel_bytes) {
+// shared-memory panels at `p_smem` (kPvSmem), one stmatrix.x4 per 16 keys: the accumulator's four
+// pairs of key group k are the four 8x8 matrices (rows 0-7 / 8-15 of the warp, keys 0-7 / 8-15 of
+// the group), and lane l addresses row l % 8 of matrix l / 8 in the 128-byte swizzle (chunk c of
+// row r at c ^ (r % 8)).
+template <class Tr>
+__device__ __forceinline__ void store_p(const float (&s)[Tr::kBlockN / 2], uint32_t p_smem,
+                                        int warp, int lane) {
+  using T = typename Tr::Element;
+  const uint32_t row = p_smem + (warp * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * Tr::kRowBytes;
   const int hi = (lane >> 4) & 1;  // matrices 2 and 3: the group's keys 8-15
   const int sw = lane & 7;
 #pragma unroll
-  for (int k = 0; k < kBlockN / 16; ++k) {
-    const uint32_t at = row + (k / 4) * panel_bytes + ((((k % 4) * 2 + hi) ^ sw) << 4);
+  for (int k = 0; k < Tr::kBlockN / 16; ++k) {
+    const uint32_t at = row + (k / 4) * Tr::kPPanelBytes + ((((k % 4) * 2 + hi) ^ sw) << 4);
     tc::stmatrix_x4(
         at, tc::pack2<T>(s[8 * k + 0], s[8 * k + 1]), tc::pack2<T>(s[8 * k + 2], s[8 * k + 3]),
         tc::pack2<T>(s[8 * k + 4], s[8 * k + 5]), tc::pack2<T>(s[8 * k + 6], s[8 * k + 7]));
@@ -898,16 +900,14 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
       const auto v_desc = [&](int stage) {
         return smem_desc_sw128(v_smem + stage * Tr::kKVStageBytes, Tr::kKVPanelBytes);
       };
-      // kPvSmem: this warpgroup's P panels, this lane's row of them for store_p.
+      // kPvSmem: this warpgroup's P panels.
       const uint32_t p_smem = base + Tr::kPOffset + cw * Tr::kPWarpgroupBytes;
-      const uint32_t p_row =
-          p_smem + (warp * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * Tr::kRowBytes;
       // P of the block just softmaxed, for the next P V: in registers, or (kPvSmem) stored to the
       // warpgroup's panels and made visible to wgmma (every thread's stores, then the group's
       // barrier), after that P V's wait for the one before.
       const auto stage_p = [&] {
         if constexpr (Tr::kPvSmem) {
-          store_p<kBlockN, T>(s, p_row, lane, Tr::kPPanelBytes);
+          store_p<Tr>(s, p_smem, warp, lane);
           fence_proxy_async_smem();
           named_barrier_sync(kBarEpilogueBase + cw, 128);
         } else {

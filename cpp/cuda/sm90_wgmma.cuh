@@ -128,7 +128,7 @@ __device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) 
 // S = Q K^T: A and B both K-major in shared memory (imm-trans-a = imm-trans-b = 0). Operands
 // after the accumulators: %IA = A descriptor, %IB = B descriptor, %IS = scale_d (0 overwrites the
 // accumulator, 1 accumulates).
-// TR is the pair imm-trans-a, imm-trans-b: "0, 0" here, "1, 1" for wgmma_ss_trans.
+// TR is the pair imm-trans-a, imm-trans-b: "0, 0" here, other pairs for wgmma_ss_mn.
 #define JF_WGMMA_SS(N, TY, DP, FOPS, IA, IB, IS, TR)                                          \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IS                                       \
                ", 0;\n"                                                                       \
@@ -181,40 +181,34 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 2], uint64_t desc_a, ui
   }
 }
 
-// The same with both operands MN-major (imm-trans-a = imm-trans-b = 1): dQ = dS K in the
-// backward, A = dS^T read as dS and B = K. An n32 B operand starts 64 bytes into a 128-byte
-// swizzled row for the upper half of a 64-column panel, as a K-major operand's k-steps start 32
-// bytes in: the hardware applies the swizzle to the address it forms.
-template <int kN, typename T>
-__device__ __forceinline__ void wgmma_ss_trans(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b,
-                                               uint32_t scale_d) {
+// The same with A and / or B MN-major (imm-trans-a = kMnA, imm-trans-b = kMnB), for the
+// combinations the kernels use:
+// - both (N 32 / 64): dQ = dS K in the backward, A = dS^T read as dS and B = K. An n32 B operand
+//   starts 64 bytes into a 128-byte swizzled row for the upper half of a 64-column panel, as a
+//   K-major operand's k-steps start 32 bytes in: the hardware applies the swizzle to the address
+//   it forms;
+// - A only (N 80): dQ^T = K^T dS^T in the 80-query backward pair, A = K read as K^T and B = dS^T
+//   stored as dS;
+// - B only (N 64): O += P V with P staged in shared memory (FwdWgmmaTraits::kPvSmem), B = V as
+//   wgmma_rs_mn reads it.
+template <int kN, bool kMnA, bool kMnB, typename T>
+__device__ __forceinline__ void wgmma_ss_mn(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b,
+                                            uint32_t scale_d) {
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-  static_assert(kN == 32 || kN == 64, "no wgmma_ss_trans wrapper for this N");
-  if constexpr (kN == 32) {
-    JF_SS_CASE(32, JF_DP2, JF_F2, 16, 17, 18, "1, 1")
+  if constexpr (kMnA && kMnB) {
+    static_assert(kN == 32 || kN == 64, "no wgmma_ss_mn wrapper for this N");
+    if constexpr (kN == 32) {
+      JF_SS_CASE(32, JF_DP2, JF_F2, 16, 17, 18, "1, 1")
+    } else {
+      JF_SS_CASE(64, JF_DP4, JF_F4, 32, 33, 34, "1, 1")
+    }
+  } else if constexpr (kMnA) {
+    static_assert(kN == 80, "no wgmma_ss_mn wrapper for this N");
+    JF_SS_CASE(80, JF_DP5, JF_F5, 40, 41, 42, "1, 0")
   } else {
-    JF_SS_CASE(64, JF_DP4, JF_F4, 32, 33, 34, "1, 1")
+    static_assert(kMnB && kN == 64, "no wgmma_ss_mn wrapper for this N");
+    JF_SS_CASE(64, JF_DP4, JF_F4, 32, 33, 34, "0, 1")
   }
-}
-
-// A K-major, B MN-major (imm-trans-a = 0, imm-trans-b = 1): O += P V with P staged in shared
-// memory (FwdWgmmaTraits::kPvSmem), B = V as wgmma_rs_mn reads it.
-template <int kN, typename T>
-__device__ __forceinline__ void wgmma_ss_tb(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b,
-                                            uint32_t scale_d) {
-  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-  static_assert(kN == 64, "no wgmma_ss_tb wrapper for this N");
-  JF_SS_CASE(64, JF_DP4, JF_F4, 32, 33, 34, "0, 1")
-}
-
-// A MN-major, B K-major (imm-trans-a = 1, imm-trans-b = 0): dQ^T = K^T dS^T in the 80-query
-// backward pair, A = K read as K^T and B = dS^T stored as dS.
-template <int kN, typename T>
-__device__ __forceinline__ void wgmma_ss_ta(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b,
-                                            uint32_t scale_d) {
-  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-  static_assert(kN == 80, "no wgmma_ss_ta wrapper for this N");
-  JF_SS_CASE(80, JF_DP5, JF_F5, 40, 41, 42, "1, 0")
 }
 
 template <int kN, typename T>
@@ -301,8 +295,8 @@ __device__ __forceinline__ void wgmma_ss_kmajor_mn(float (&acc)[kN / 2], uint64_
                                                    uint64_t b_desc) {
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
-    wgmma_ss_tb<kN, T>(acc, desc_advance(a_desc, (k / 4) * kAPanel + (k % 4) * 32),
-                       desc_advance(b_desc, k * 16 * 128), 1u);
+    wgmma_ss_mn<kN, false, true, T>(acc, desc_advance(a_desc, (k / 4) * kAPanel + (k % 4) * 32),
+                                    desc_advance(b_desc, k * 16 * 128), 1u);
   }
 }
 
