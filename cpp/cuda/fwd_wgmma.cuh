@@ -126,21 +126,10 @@ struct FwdWgmmaTile {
   int block_n;
 };
 
-// Head_dim 64's one-tile kernels without a band: 192-key blocks, with P V reading P from shared
-// memory (FwdWgmmaTraits::kPvSmem) so that S of the next block and O fit the 160-register
-// consumers without P beside them (FlashAttention-3's head_dim-64 non-causal tile). An experiment's
-// -D switch: 0 keeps 128-key blocks and P in registers.
-#ifndef JAX_FLASH_FWD_D64_PV_SMEM
-#define JAX_FLASH_FWD_D64_PV_SMEM 0
-#endif
-constexpr bool fwd_pv_smem(int head_dim, FwdMask mask, bool persistent) {
-  return JAX_FLASH_FWD_D64_PV_SMEM != 0 && head_dim == 64 && mask == FwdMask::kNone && !persistent;
-}
-
 constexpr FwdWgmmaTile fwd_wgmma_tile(int head_dim, FwdMask mask, bool long_keys,
                                       bool persistent = false) {
   if (mask == FwdMask::kSegments) return {2, head_dim <= 128 ? 128 : 64};
-  if (head_dim <= 64) return {3, fwd_pv_smem(head_dim, mask, persistent) ? 192 : 128};
+  if (head_dim <= 64) return {3, 128};
   if (head_dim <= 128) {
     return {2, (mask == FwdMask::kBand && !long_keys) || persistent ? 128 : 176};
   }
@@ -227,17 +216,10 @@ struct FwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // K/V ring depth (a third stage measured no faster on the H200).
   static constexpr int kStages = 2;
 
-  // P V reads P from shared memory (fwd_pv_smem): each consumer warpgroup's 64 rows of P in
-  // Sw128Panels panels of 64 keys, written after its softmax, read by its next P V.
-  static constexpr bool kPvSmem = fwd_pv_smem(kHeadDim, kMaskKind, kPersistentOn);
-  static constexpr int kPPanelBytes = 64 * Panels::kRowBytes;
-  static constexpr int kPWarpgroupBytes = kPvSmem ? kPPanelBytes * (kBlockN / 64) : 0;
-
   static constexpr int kQOffset = 0;
   static constexpr int kKOffset = kQOffset + kQBuffers * kQBytes;
   static constexpr int kVOffset = kKOffset + kStages * kKVStageBytes;
-  static constexpr int kPOffset = kVOffset + kStages * kKVStageBytes;
-  static constexpr int kBarOffset = kPOffset + kConsumerWarpgroups * kPWarpgroupBytes;
+  static constexpr int kBarOffset = kVOffset + kStages * kKVStageBytes;
   // mbarriers: Q full, then K full, V full, K empty, V empty per stage, then the V tile that
   // straddles a packed sequence's end (it lands there and is released once its tail is zeroed);
   // persistent kernels then add the second Q buffer's full barrier and both buffers' empty ones.
@@ -252,7 +234,6 @@ struct FwdWgmmaTraits : Sw128Panels<kHeadDim> {
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>);
   static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3);
   static_assert(kBlockN % 16 == 0 && kD % 16 == 0, "wgmma K extent is 16");
-  static_assert(!kPvSmem || (kBlockN % 64 == 0 && kD == 64), "P panels of 64 keys; P V n64 only");
   static_assert(kBlockM % kSegmentChunk == 0 && kBlockN % kSegmentChunk == 0,
                 "segment-id chunk summaries must tile both tile sizes");
   static_assert(kBlockM <= 256 && kBlockN <= 256, "TMA boxes hold at most 256 rows");
@@ -515,27 +496,6 @@ __device__ __forceinline__ void zero_tile_rows(uint8_t* tile, int valid, int lan
          chunk < Tr::kBlockN * (Tr::kRowBytes / 16); chunk += 32) {
       *reinterpret_cast<uint4*>(panel + chunk * 16) = make_uint4(0u, 0u, 0u, 0u);
     }
-  }
-}
-
-// Stores this warpgroup's P (the S accumulator after the softmax, rounded to T) into its
-// shared-memory panels at `p_smem` (kPvSmem), one stmatrix.x4 per 16 keys: the accumulator's four
-// pairs of key group k are the four 8x8 matrices (rows 0-7 / 8-15 of the warp, keys 0-7 / 8-15 of
-// the group), and lane l addresses row l % 8 of matrix l / 8 in the 128-byte swizzle (chunk c of
-// row r at c ^ (r % 8)).
-template <class Tr>
-__device__ __forceinline__ void store_p(const float (&s)[Tr::kBlockN / 2], uint32_t p_smem,
-                                        int warp, int lane) {
-  using T = typename Tr::Element;
-  const uint32_t row = p_smem + (warp * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * Tr::kRowBytes;
-  const int hi = (lane >> 4) & 1;  // matrices 2 and 3: the group's keys 8-15
-  const int sw = lane & 7;
-#pragma unroll
-  for (int k = 0; k < Tr::kBlockN / 16; ++k) {
-    const uint32_t at = row + (k / 4) * Tr::kPPanelBytes + ((((k % 4) * 2 + hi) ^ sw) << 4);
-    tc::stmatrix_x4(
-        at, tc::pack2<T>(s[8 * k + 0], s[8 * k + 1]), tc::pack2<T>(s[8 * k + 2], s[8 * k + 3]),
-        tc::pack2<T>(s[8 * k + 4], s[8 * k + 5]), tc::pack2<T>(s[8 * k + 6], s[8 * k + 7]));
   }
 }
 
@@ -900,31 +860,6 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
       const auto v_desc = [&](int stage) {
         return smem_desc_sw128(v_smem + stage * Tr::kKVStageBytes, Tr::kKVPanelBytes);
       };
-      // kPvSmem: this warpgroup's P panels.
-      const uint32_t p_smem = base + Tr::kPOffset + cw * Tr::kPWarpgroupBytes;
-      // P of the block just softmaxed, for the next P V: in registers, or (kPvSmem) stored to the
-      // warpgroup's panels and made visible to wgmma (every thread's stores, then the group's
-      // barrier), after that P V's wait for the one before.
-      const auto stage_p = [&] {
-        if constexpr (Tr::kPvSmem) {
-          store_p<Tr>(s, p_smem, warp, lane);
-          fence_proxy_async_smem();
-          named_barrier_sync(kBarEpilogueBase + cw, 128);
-        } else {
-          convert_p<kBlockN, T>(s, p);
-        }
-      };
-      const auto pv = [&](int stage) {
-        if constexpr (Tr::kPvSmem) {
-          wgmma_ss_kmajor_mn<kD, kBlockN / 16, Tr::kPPanelBytes, T>(o, smem_desc_sw128(p_smem, 16),
-                                                                    v_desc(stage));
-        } else {
-          issue_pv<Tr>(o, p, v_desc(stage));
-        }
-      };
-      const auto fence_p = [&] {
-        if constexpr (!Tr::kPvSmem) fence_operand(p);
-      };
 
       if (!active) {
         // Same waits, releases and turns as below, without the math.
@@ -1044,7 +979,7 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
             release(bars.k_empty(s0));
             if (kWgSkip && lead > 0) release(bars.v_empty(stage_of(lead - 1)));
             softmax_block(nb * kBlockN, mixed);
-            stage_p();
+            convert_p<kBlockN, T>(s, p);
           }
 
           int it = lead + 1;
@@ -1063,7 +998,7 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
             rescale_acc();
             mbar_wait(bars.v_full(prev), phase_of(it - 1));
             wgmma_fence();
-            pv(prev);
+            issue_pv<Tr>(o, p, v_desc(prev));
             wgmma_commit();
             turn_end(false);
             next = next_key_block<kBlockN, kSegments, true>(walk, seg, next_mixed);
@@ -1074,9 +1009,9 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
             softmax_block(nb * kBlockN, mixed);
             wgmma_wait<0>();
             fence_operand(o);
-            fence_p();
+            fence_operand(p);
             release(bars.v_empty(prev));
-            stage_p();
+            convert_p<kBlockN, T>(s, p);
           }
 
           {
@@ -1088,12 +1023,12 @@ __device__ __forceinline__ int fwd_wgmma_tile(const FwdWgmmaArgs& args, const Ct
             mbar_wait(bars.v_full(last), phase_of(it - 1));
             turn_begin(false);
             wgmma_fence();
-            pv(last);
+            issue_pv<Tr>(o, p, v_desc(last));
             wgmma_commit();
             turn_end(!more);
             wgmma_wait<0>();
             fence_operand(o);
-            fence_p();
+            fence_operand(p);
             release(bars.v_empty(last));
             if (more) release(bars.k_empty(stage_of(it)));
           }

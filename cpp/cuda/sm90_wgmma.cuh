@@ -109,8 +109,7 @@ __device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) 
 #define JF_DP5 JF_DP4 ", " JF_DC4
 #define JF_DP8 JF_DP4 ", " JF_DC4 ", " JF_DC5 ", " JF_DC6 ", " JF_DC7
 #define JF_DP11 JF_DP8 ", " JF_DC8 ", " JF_DC9 ", " JF_DC10
-#define JF_DP12 JF_DP11 ", " JF_DC11
-#define JF_DP16 JF_DP12 ", " JF_DC12 ", " JF_DC13 ", " JF_DC14 ", " JF_DC15
+#define JF_DP16 JF_DP11 ", " JF_DC11 ", " JF_DC12 ", " JF_DC13 ", " JF_DC14 ", " JF_DC15
 
 #define JF_F1_AT(d, i)                                                                      \
   "+f"(d[(i) + 0]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), "+f"(d[(i) + 4]), \
@@ -122,7 +121,6 @@ __device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) 
 #define JF_F5(d) JF_F4_AT(d, 0), JF_F1_AT(d, 32)
 #define JF_F8(d) JF_F4_AT(d, 0), JF_F4_AT(d, 32)
 #define JF_F11(d) JF_F8(d), JF_F1_AT(d, 64), JF_F1_AT(d, 72), JF_F1_AT(d, 80)
-#define JF_F12(d) JF_F8(d), JF_F4_AT(d, 64)
 #define JF_F16(d) JF_F8(d), JF_F4_AT(d, 64), JF_F4_AT(d, 96)
 
 // S = Q K^T: A and B both K-major in shared memory (imm-trans-a = imm-trans-b = 0). Operands
@@ -164,7 +162,7 @@ template <int kN, typename T>
 __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b,
                                          uint32_t scale_d) {
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-  static_assert(kN == 32 || kN == 64 || kN == 80 || kN == 128 || kN == 176 || kN == 192,
+  static_assert(kN == 32 || kN == 64 || kN == 80 || kN == 128 || kN == 176,
                 "no wgmma_ss wrapper for this N");
   if constexpr (kN == 32) {
     JF_SS_CASE(32, JF_DP2, JF_F2, 16, 17, 18, "0, 0")
@@ -174,10 +172,8 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 2], uint64_t desc_a, ui
     JF_SS_CASE(80, JF_DP5, JF_F5, 40, 41, 42, "0, 0")
   } else if constexpr (kN == 128) {
     JF_SS_CASE(128, JF_DP8, JF_F8, 64, 65, 66, "0, 0")
-  } else if constexpr (kN == 176) {
-    JF_SS_CASE(176, JF_DP11, JF_F11, 88, 89, 90, "0, 0")
   } else {
-    JF_SS_CASE(192, JF_DP12, JF_F12, 96, 97, 98, "0, 0")
+    JF_SS_CASE(176, JF_DP11, JF_F11, 88, 89, 90, "0, 0")
   }
 }
 
@@ -188,9 +184,7 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 2], uint64_t desc_a, ui
 //   K-major operand's k-steps start 32 bytes in: the hardware applies the swizzle to the address
 //   it forms;
 // - A only (N 80): dQ^T = K^T dS^T in the 80-query backward pair, A = K read as K^T and B = dS^T
-//   stored as dS;
-// - B only (N 64): O += P V with P staged in shared memory (FwdWgmmaTraits::kPvSmem), B = V as
-//   wgmma_rs_mn reads it.
+//   stored as dS.
 template <int kN, bool kMnA, bool kMnB, typename T>
 __device__ __forceinline__ void wgmma_ss_mn(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b,
                                             uint32_t scale_d) {
@@ -202,12 +196,9 @@ __device__ __forceinline__ void wgmma_ss_mn(float (&d)[kN / 2], uint64_t desc_a,
     } else {
       JF_SS_CASE(64, JF_DP4, JF_F4, 32, 33, 34, "1, 1")
     }
-  } else if constexpr (kMnA) {
-    static_assert(kN == 80, "no wgmma_ss_mn wrapper for this N");
-    JF_SS_CASE(80, JF_DP5, JF_F5, 40, 41, 42, "1, 0")
   } else {
-    static_assert(kMnB && kN == 64, "no wgmma_ss_mn wrapper for this N");
-    JF_SS_CASE(64, JF_DP4, JF_F4, 32, 33, 34, "0, 1")
+    static_assert(kMnA && kN == 80, "no wgmma_ss_mn wrapper for this N");
+    JF_SS_CASE(80, JF_DP5, JF_F5, 40, 41, 42, "1, 0")
   }
 }
 
@@ -230,7 +221,6 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[kN / 2], const uint32_t (&a)
 #undef JF_WGMMA_RS
 #undef JF_WGMMA_SS
 #undef JF_F16
-#undef JF_F12
 #undef JF_F11
 #undef JF_F8
 #undef JF_F5
@@ -239,7 +229,6 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[kN / 2], const uint32_t (&a)
 #undef JF_F2
 #undef JF_F1_AT
 #undef JF_DP16
-#undef JF_DP12
 #undef JF_DP11
 #undef JF_DP8
 #undef JF_DP5
@@ -285,18 +274,6 @@ __device__ __forceinline__ void wgmma_rs_mn(float (&acc)[kN / 2], const uint32_t
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
     wgmma_rs<kN, T>(acc, a[k], desc_advance(b_desc, k * 16 * 128), 1u);
-  }
-}
-
-// acc += A B over kSteps * 16 reduction columns: A K-major in shared memory (kAPanel bytes between
-// its 64-column panels), B MN-major, advancing 16 rows of 128 bytes per wgmma.
-template <int kN, int kSteps, int kAPanel, typename T>
-__device__ __forceinline__ void wgmma_ss_kmajor_mn(float (&acc)[kN / 2], uint64_t a_desc,
-                                                   uint64_t b_desc) {
-#pragma unroll
-  for (int k = 0; k < kSteps; ++k) {
-    wgmma_ss_mn<kN, false, true, T>(acc, desc_advance(a_desc, (k / 4) * kAPanel + (k % 4) * 32),
-                                    desc_advance(b_desc, k * 16 * 128), 1u);
   }
 }
 
