@@ -104,7 +104,7 @@ for stage in "${expanded[@]}"; do
       run_stage test env "${test_env[@]}" "${pytest_cmd[@]}" --durations=10 ${TEST_ARGS:-tests}
       ;;
     test-mma)
-      # The mma.sync family, which sm_90 otherwise runs only for the head_dim-256 backward, and
+      # The mma.sync family, which sm_90 otherwise never runs for 16-bit inputs, and
       # the decode call's cp.async pass (what other GPUs run), over the half-precision tests.
       run_stage test-mma env "${test_env[@]}" JAX_FLASH_CUDA_FAMILY=mma JAX_FLASH_DECODE_COPY=cp.async \
         "${pytest_cmd[@]}" -k "${TEST_MMA_FILTER:-float16 or bfloat16}" tests
