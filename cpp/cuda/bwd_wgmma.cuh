@@ -492,7 +492,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       if constexpr (kSplitQ) {
         // This warpgroup's P^T columns go to the exchange tile while dP^T finishes.
         uint8_t* const p_tile = smem + Tr::kPOffset + buf * Tr::kPBytes;
-        store_operand_tile<Tr::kDsPanels, Tr::kDsPanelBytes>(p_tile, p, warp * 16, q0 / 8, g, t);
+        if constexpr (Tr::kDsStsm) {
+          store_operand_tile_stsm<Tr::kDsPanels, Tr::kDsPanelBytes>(p_tile, p, warp * 16, q0 / 8,
+                                                                    lane);
+        } else {
+          store_operand_tile<Tr::kDsPanels, Tr::kDsPanelBytes>(p_tile, p, warp * 16, q0 / 8, g, t);
+        }
         wgmma_wait<0>();
         fence_operand(dp);
         if (flags & kPairMasked) {
@@ -501,7 +506,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           bwd_dscores<Tr, false>(dp, s, wh, stage_delta(stage) + q0, t);
         }
         convert_p<kSCols, T>(dp, ds);
-        store_operand_tile<Tr::kDsPanels, Tr::kDsPanelBytes>(ds_tile, ds, warp * 16, q0 / 8, g, t);
+        if constexpr (Tr::kDsStsm) {
+          store_operand_tile_stsm<Tr::kDsPanels, Tr::kDsPanelBytes>(ds_tile, ds, warp * 16, q0 / 8,
+                                                                    lane);
+        } else {
+          store_operand_tile<Tr::kDsPanels, Tr::kDsPanelBytes>(ds_tile, ds, warp * 16, q0 / 8, g,
+                                                               t);
+        }
         // dS^T is also read by the dQ GEMMs, through the async proxy.
         fence_proxy_async_smem();
         named_barrier_sync(kBwdBarConsumers, 128 * Tr::kConsumerWarpgroups);
@@ -653,6 +664,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if constexpr (Tr::kDqT) {
           // kDqT: dS, K-major, for the dQ^T GEMM (store_ds_kmajor).
           store_ds_kmajor<Tr>(ds_tile, ds, key_row0 + warp * 16, lane);
+        } else if constexpr (Tr::kDsStsm) {
+          const int sid = Tr::kPair128 ? fresh_thread_index() - 128 : 0;
+          const int srow = Tr::kPair128 ? sid / 32 * 16 : key_row0 + warp * 16;
+          store_operand_tile_stsm<Tr::kDsPanels, Tr::kDsPanelBytes>(ds_tile, ds, srow, 0,
+                                                                    Tr::kPair128 ? sid % 32 : lane);
         } else {
           const int sid = Tr::kPair128 ? fresh_thread_index() - 128 : 0;
           const int srow = Tr::kPair128 ? sid / 32 * 16 : key_row0 + warp * 16;

@@ -251,6 +251,31 @@ __device__ __forceinline__ void store_operand_tile(uint8_t* tile, const uint32_t
   }
 }
 
+// The same tile written with stmatrix (JAX_FLASH_BWD_DS_STSM): k16 step j's four registers are the
+// four 8x8 matrices of one stmatrix.x4, in the order store_operand_tile writes them (keys row0 +
+// 0..7 / 8..15 at chunk chunk0 + 2j, then the same at chunk0 + 2j + 1), and lane 8m + r addresses
+// row r of matrix m. row0 is a multiple of 8, so a row's place in its 8-row group, which swizzles
+// its chunks, is r = lane % 8; chunk0 is even, so chunk (c + h) ^ r of an even c is
+// (c ^ (r & 6)) + ((h ^ r) & 1): the lane's odd part is added once, the step's even part is one
+// XOR with a lane constant.
+template <int kPanels, int kPanelBytes, int kSteps>
+__device__ __forceinline__ void store_operand_tile_stsm(uint8_t* tile,
+                                                        const uint32_t (&f)[kSteps][4], int row0,
+                                                        int chunk0, int lane) {
+  const int m = lane >> 3;
+  const int sw = lane & 7;
+  const uint32_t row =
+      tc::smem_addr(tile) + (row0 + (m & 1) * 8 + sw) * 128 + ((((m >> 1) ^ sw) & 1) << 4);
+#pragma unroll
+  for (int j = 0; j < kSteps; ++j) {
+    const int c = chunk0 + 2 * j;
+    const int panel = kPanels > 1 ? c / 8 : 0;
+    const int chunk = kPanels > 1 ? c % 8 : c;
+    tc::stmatrix_x4(row + panel * kPanelBytes + ((chunk ^ (sw & 6)) << 4), f[j][0], f[j][1],
+                    f[j][2], f[j][3]);
+  }
+}
+
 // kDqT: the warp's dS^T fragments (16 keys key0.., kBlockM queries) stored transposed, as dS: rows
 // of kBlockM queries, the tile's kBlockN keys in 64-key panels of 128-byte swizzled rows (K-major,
 // the B operand of dQ^T = K^T dS^T). One stmatrix.x4.trans per k16 step: its matrix m is register

@@ -102,6 +102,16 @@ struct BwdWgmmaArgs {
 #define JAX_FLASH_BWD_DQ_STSM 6
 #endif
 
+// How the consumers write the 16-bit tiles they exchange through shared memory (dS^T, and P^T
+// where the warpgroups split the queries), bit 1 for head_dim 64, bit 2 for 128, bit 4 for 256
+// (BwdWgmmaTraits::kDsStsm): set, one stmatrix.x4 per k16 step of a warp's fragments
+// (store_operand_tile_stsm); clear, one 4-byte store per register (store_operand_tile). The bytes
+// stored are the same; stmatrix takes a quarter of the instructions. An experiment's -D switch:
+// the 80-query kernels (kDqT) store dS with stmatrix.trans either way.
+#ifndef JAX_FLASH_BWD_DS_STSM
+#define JAX_FLASH_BWD_DS_STSM 0
+#endif
+
 // Which head_dims hand every call's staged dQ_i to the writer warps (bwd_dq_writer), which issue
 // the TMA reductions, as the deterministic order does but without its turns (BwdWgmmaTraits::
 // kDqWriter; bit 1 for 64, bit 2 for 128; head_dim 256's split-query kernels always have their
@@ -153,7 +163,7 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   using Panels = Sw128Panels<kHeadDim>;
   using Element = T;
   static constexpr int kD = kHeadDim;
-  // This head_dim's bit in the per-head_dim switches (JAX_FLASH_BWD_DQ_WRITER, _DQ_STSM).
+  // This head_dim's bit in the per-head_dim switches (JAX_FLASH_BWD_DQ_WRITER, _DQ_STSM, _DS_STSM).
   static constexpr int kHeadDimBit = kD == 64 ? 1 : kD == 128 ? 2 : 4;
   static constexpr bool kIsMasked = kMasked;
   static constexpr bool kIsSoftcap = kSoftcap;
@@ -308,6 +318,8 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   // together with the writer warps, so there it follows kDqWriter.
   static constexpr bool kDqStsm =
       (JAX_FLASH_BWD_DQ_STSM & kHeadDimBit) != 0 && !kDqT && (kD != 128 || kDqWriter);
+  // The exchanged dS^T / P^T tiles stored with stmatrix (JAX_FLASH_BWD_DS_STSM).
+  static constexpr bool kDsStsm = (JAX_FLASH_BWD_DS_STSM & kHeadDimBit) != 0;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
