@@ -664,17 +664,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if constexpr (Tr::kDqT) {
           // kDqT: dS, K-major, for the dQ^T GEMM (store_ds_kmajor).
           store_ds_kmajor<Tr>(ds_tile, ds, key_row0 + warp * 16, lane);
-        } else if constexpr (Tr::kDsStsm) {
-          const int sid = Tr::kPair128 ? fresh_thread_index() - 128 : 0;
-          const int srow = Tr::kPair128 ? sid / 32 * 16 : key_row0 + warp * 16;
-          store_operand_tile_stsm<Tr::kDsPanels, Tr::kDsPanelBytes>(ds_tile, ds, srow, 0,
-                                                                    Tr::kPair128 ? sid % 32 : lane);
         } else {
           const int sid = Tr::kPair128 ? fresh_thread_index() - 128 : 0;
           const int srow = Tr::kPair128 ? sid / 32 * 16 : key_row0 + warp * 16;
-          const int sg = Tr::kPair128 ? sid % 32 / 4 : g;
-          const int st = Tr::kPair128 ? sid % 4 : t;
-          store_operand_tile<Tr::kDsPanels, Tr::kDsPanelBytes>(ds_tile, ds, srow, 0, sg, st);
+          if constexpr (Tr::kDsStsm) {
+            store_operand_tile_stsm<Tr::kDsPanels, Tr::kDsPanelBytes>(
+                ds_tile, ds, srow, 0, Tr::kPair128 ? sid % 32 : lane);
+          } else {
+            const int sg = Tr::kPair128 ? sid % 32 / 4 : g;
+            const int st = Tr::kPair128 ? sid % 4 : t;
+            store_operand_tile<Tr::kDsPanels, Tr::kDsPanelBytes>(ds_tile, ds, srow, 0, sg, st);
+          }
         }
         if constexpr (Tr::kLateP) {
           // dV += P^T dO now that P^T is 16-bit: it runs under the barrier and the dQ GEMM's
