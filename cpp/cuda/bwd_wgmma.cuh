@@ -492,12 +492,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       if constexpr (kSplitQ) {
         // This warpgroup's P^T columns go to the exchange tile while dP^T finishes.
         uint8_t* const p_tile = smem + Tr::kPOffset + buf * Tr::kPBytes;
-        if constexpr (Tr::kDsStsm) {
-          store_operand_tile_stsm<Tr::kDsPanels, Tr::kDsPanelBytes>(p_tile, p, warp * 16, q0 / 8,
-                                                                    lane);
-        } else {
-          store_operand_tile<Tr::kDsPanels, Tr::kDsPanelBytes>(p_tile, p, warp * 16, q0 / 8, g, t);
-        }
+        store_exchanged_tile<Tr>(p_tile, p, warp * 16, q0 / 8, lane, g, t);
         wgmma_wait<0>();
         fence_operand(dp);
         if (flags & kPairMasked) {
@@ -506,13 +501,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           bwd_dscores<Tr, false>(dp, s, wh, stage_delta(stage) + q0, t);
         }
         convert_p<kSCols, T>(dp, ds);
-        if constexpr (Tr::kDsStsm) {
-          store_operand_tile_stsm<Tr::kDsPanels, Tr::kDsPanelBytes>(ds_tile, ds, warp * 16, q0 / 8,
-                                                                    lane);
-        } else {
-          store_operand_tile<Tr::kDsPanels, Tr::kDsPanelBytes>(ds_tile, ds, warp * 16, q0 / 8, g,
-                                                               t);
-        }
+        store_exchanged_tile<Tr>(ds_tile, ds, warp * 16, q0 / 8, lane, g, t);
         // dS^T is also read by the dQ GEMMs, through the async proxy.
         fence_proxy_async_smem();
         named_barrier_sync(kBwdBarConsumers, 128 * Tr::kConsumerWarpgroups);
@@ -530,7 +519,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const auto dq_gemm = [&](int h) {
 #pragma unroll
           for (int k = 0; k < kBlockN / 16; ++k) {
-            wgmma_ss_mn<Tr::kDqCols, true, true, T>(
+            wgmma_ss_mn<Tr::kDqCols, true, T>(
                 dq, desc_advance(ds_desc, k * 16 * Tr::kRowBytes),
                 desc_advance(k_mn_desc, h * Tr::kKVPanelBytes + k * 16 * Tr::kRowBytes),
                 k > 0 ? 1u : 0u);
@@ -667,14 +656,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         } else {
           const int sid = Tr::kPair128 ? fresh_thread_index() - 128 : 0;
           const int srow = Tr::kPair128 ? sid / 32 * 16 : key_row0 + warp * 16;
-          if constexpr (Tr::kDsStsm) {
-            store_operand_tile_stsm<Tr::kDsPanels, Tr::kDsPanelBytes>(
-                ds_tile, ds, srow, 0, Tr::kPair128 ? sid % 32 : lane);
-          } else {
-            const int sg = Tr::kPair128 ? sid % 32 / 4 : g;
-            const int st = Tr::kPair128 ? sid % 4 : t;
-            store_operand_tile<Tr::kDsPanels, Tr::kDsPanelBytes>(ds_tile, ds, srow, 0, sg, st);
-          }
+          const int sg = Tr::kPair128 ? sid % 32 / 4 : g;
+          const int st = Tr::kPair128 ? sid % 4 : t;
+          store_exchanged_tile<Tr>(ds_tile, ds, srow, 0, Tr::kPair128 ? sid % 32 : lane, sg, st);
         }
         if constexpr (Tr::kLateP) {
           // dV += P^T dO now that P^T is 16-bit: it runs under the barrier and the dQ GEMM's
@@ -697,7 +681,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           const uint64_t dsk_desc = smem_desc_sw128(ds_smem + buf * Tr::kDsBytes, 16);
 #pragma unroll
           for (int k = 0; k < kBlockN / 16; ++k) {
-            wgmma_ss_mn<kBlockM, true, false, T>(
+            wgmma_ss_mn<kBlockM, false, T>(
                 dq, desc_advance(k_mn_desc, k * 16 * Tr::kRowBytes),
                 desc_advance(dsk_desc, (k / 4) * Tr::kDsPanelBytes + (k % 4) * 32),
                 k > 0 ? 1u : 0u);
@@ -705,9 +689,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         } else {
 #pragma unroll
           for (int k = 0; k < kBlockN / 16; ++k) {
-            wgmma_ss_mn<Tr::kDqCols, true, true, T>(
-                dq, desc_advance(ds_desc, k * 16 * Tr::kRowBytes),
-                desc_advance(k_mn_desc, k * 16 * Tr::kRowBytes), k > 0 ? 1u : 0u);
+            wgmma_ss_mn<Tr::kDqCols, true, T>(dq, desc_advance(ds_desc, k * 16 * Tr::kRowBytes),
+                                              desc_advance(k_mn_desc, k * 16 * Tr::kRowBytes),
+                                              k > 0 ? 1u : 0u);
           }
         }
         wgmma_commit();

@@ -276,6 +276,18 @@ __device__ __forceinline__ void store_operand_tile_stsm(uint8_t* tile,
   }
 }
 
+// An exchanged tile (dS^T, or P^T between split-query warpgroups) with the stores Tr::kDsStsm
+// picks (JAX_FLASH_BWD_DS_STSM). g, t = lane / 4, lane % 4.
+template <class Tr, int kSteps>
+__device__ __forceinline__ void store_exchanged_tile(uint8_t* tile, const uint32_t (&f)[kSteps][4],
+                                                     int row0, int chunk0, int lane, int g, int t) {
+  if constexpr (Tr::kDsStsm) {
+    store_operand_tile_stsm<Tr::kDsPanels, Tr::kDsPanelBytes>(tile, f, row0, chunk0, lane);
+  } else {
+    store_operand_tile<Tr::kDsPanels, Tr::kDsPanelBytes>(tile, f, row0, chunk0, g, t);
+  }
+}
+
 // kDqT: the warp's dS^T fragments (16 keys key0.., kBlockM queries) stored transposed, as dS: rows
 // of kBlockM queries, the tile's kBlockN keys in 64-key panels of 128-byte swizzled rows (K-major,
 // the B operand of dQ^T = K^T dS^T). One stmatrix.x4.trans per k16 step: its matrix m is register

@@ -177,19 +177,18 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[kN / 2], uint64_t desc_a, ui
   }
 }
 
-// The same with A and / or B MN-major (imm-trans-a = kMnA, imm-trans-b = kMnB), for the
-// combinations the kernels use:
-// - both (N 32 / 64): dQ = dS K in the backward, A = dS^T read as dS and B = K. An n32 B operand
-//   starts 64 bytes into a 128-byte swizzled row for the upper half of a 64-column panel, as a
-//   K-major operand's k-steps start 32 bytes in: the hardware applies the swizzle to the address
-//   it forms;
-// - A only (N 80): dQ^T = K^T dS^T in the 80-query backward pair, A = K read as K^T and B = dS^T
-//   stored as dS.
-template <int kN, bool kMnA, bool kMnB, typename T>
+// The same with A MN-major (imm-trans-a = 1) and B MN-major too where kMnB (imm-trans-b), for
+// the two uses in the backward:
+// - kMnB (N 32 / 64): dQ = dS K, A = dS^T read as dS and B = K. An n32 B operand starts 64 bytes
+//   into a 128-byte swizzled row for the upper half of a 64-column panel, as a K-major operand's
+//   k-steps start 32 bytes in: the hardware applies the swizzle to the address it forms;
+// - !kMnB (N 80): dQ^T = K^T dS^T in the 80-query pair, A = K read as K^T and B = dS^T stored as
+//   dS.
+template <int kN, bool kMnB, typename T>
 __device__ __forceinline__ void wgmma_ss_mn(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b,
                                             uint32_t scale_d) {
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-  if constexpr (kMnA && kMnB) {
+  if constexpr (kMnB) {
     static_assert(kN == 32 || kN == 64, "no wgmma_ss_mn wrapper for this N");
     if constexpr (kN == 32) {
       JF_SS_CASE(32, JF_DP2, JF_F2, 16, 17, 18, "1, 1")
@@ -197,7 +196,7 @@ __device__ __forceinline__ void wgmma_ss_mn(float (&d)[kN / 2], uint64_t desc_a,
       JF_SS_CASE(64, JF_DP4, JF_F4, 32, 33, 34, "1, 1")
     }
   } else {
-    static_assert(kMnA && kN == 80, "no wgmma_ss_mn wrapper for this N");
+    static_assert(kN == 80, "no wgmma_ss_mn wrapper for this N");
     JF_SS_CASE(80, JF_DP5, JF_F5, 40, 41, 42, "1, 0")
   }
 }
