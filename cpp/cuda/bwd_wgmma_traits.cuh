@@ -107,7 +107,8 @@ struct BwdWgmmaArgs {
 // (BwdWgmmaTraits::kDsStsm): set, one stmatrix.x4 per k16 step of a warp's fragments
 // (store_operand_tile_stsm); clear, one 4-byte store per register (store_operand_tile). The bytes
 // stored are the same; stmatrix takes a quarter of the instructions. An experiment's -D switch:
-// the 80-query kernels (kDqT) store dS with stmatrix.trans either way.
+// the 80-query kernels (kDqT) store dS with stmatrix.trans either way. Measured alone on an H100
+// (7 against 0, docs/PERF_LOG.md): head_dim 64 and 128 within the rounds' spread, 256 -1%; off.
 #ifndef JAX_FLASH_BWD_DS_STSM
 #define JAX_FLASH_BWD_DS_STSM 0
 #endif
