@@ -23,16 +23,48 @@ __device__ __forceinline__ int fresh_thread_index() {
   return tid;
 }
 
-// A pair's lse or delta at a thread's query columns 8i + 2t and 8i + 2t + 1 of the stage's row `s`.
-__device__ __forceinline__ float2 pair_stat(const float* s, int i, int t) {
-  return *reinterpret_cast<const float2*>(s + 8 * i + 2 * t);
+// Where query column c of a pair's lse / delta sits in the stage (BwdWgmmaTraits::kStatPairs):
+// c itself, or the 16 queries 16j .. 16j + 15 ordered so that the columns thread t reads for
+// i = 2j and 2j + 1 (8i + 2t and 8i + 2t + 1) are slots 16j + 4t .. 16j + 4t + 3.
+template <bool kPairs>
+__host__ __device__ constexpr int bwd_stat_slot(int c) {
+  return kPairs ? 16 * (c / 16) + 4 * (c % 8 / 2) + 2 * (c / 8 % 2) + c % 2 : c;
 }
+static_assert(bwd_stat_slot<true>(8 * 2 + 2 * 3) == 16 + 12 &&
+              bwd_stat_slot<true>(8 * 3 + 1) == 16 + 3);
+
+// A pair's lse or delta at a thread's query columns 8i + 2t and 8i + 2t + 1 of the stage's row `s`.
+template <bool kPairs>
+__device__ __forceinline__ float2 pair_stat(const float* s, int i, int t) {
+  return *reinterpret_cast<const float2*>(s + bwd_stat_slot<kPairs>(8 * i + 2 * t));
+}
+// The same in a loop over i that reads the stage from i = kFirst on and ends before kEnd, the i
+// in increasing order (unrolled: the branches fold): in bwd_stat_slot's order one 16-byte load
+// serves i = 2j and 2j + 1.
+template <bool kPairs, int kFirst, int kEnd>
+struct PairStatReader {
+  const float* s;
+  int t;
+  float2 odd = make_float2(0.f, 0.f);
+  __device__ __forceinline__ float2 operator()(int i) {
+    if constexpr (kPairs) {
+      if (i % 2 == 1 && i - 1 >= kFirst) return odd;
+      if (i % 2 == 0 && i + 1 < kEnd) {
+        const float4 q = *reinterpret_cast<const float4*>(s + 16 * (i / 2) + 4 * t);
+        odd = make_float2(q.z, q.w);
+        return make_float2(q.x, q.y);
+      }
+    }
+    return pair_stat<kPairs>(s, i, t);
+  }
+};
 // The same for i < kN, loaded into registers ahead of their use (kLseAhead / kDeltaAhead), before
 // a GEMM wait.
-template <int kN>
+template <bool kPairs, int kN>
 __device__ __forceinline__ void load_pair_stats(float2 (&v)[kN], const float* s, int t) {
+  PairStatReader<kPairs, 0, kN> read{s, t};
 #pragma unroll
-  for (int i = 0; i < kN; ++i) v[i] = pair_stat(s, i, t);
+  for (int i = 0; i < kN; ++i) v[i] = read(i);
 }
 
 // Zeroes rows [row0, kRows) of kTensors swizzled tiles (kPanels panels of kRows 128-byte rows,
@@ -116,7 +148,7 @@ __device__ __forceinline__ void bwd_mask_packed(uint32_t (&p)[Tr::kSCols / 16][4
 // later convert_p of s, which then holds P). With kMask, elements the TileMask
 // (or, with `seg`, the segment ids) hides are selected to 0, never multiplied, so a NaN there
 // cannot leak.
-// kPre: the first kPre lse pairs were loaded ahead (lse_pre[i] = lse_s[8i + 2t], [8i + 2t + 1];
+// kPre: the first kPre lse pairs were loaded ahead (lse_pre[i]: pair_stat of i;
 // BwdWgmmaTraits::kLseAhead, load_pair_stats).
 template <class Tr, bool kMask, int kPre = 0>
 __device__ __forceinline__ void bwd_probs(float (&s)[Tr::kSCols / 2],
@@ -144,9 +176,10 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Tr::kSCols / 2],
       last[r] = kc < tm.n_limit ? kc - tm.lo_diag - base : -1;
     }
   }
+  PairStatReader<Tr::kStatPairs, kPre, Tr::kSCols / 8> read_lse{lse_s, t};
 #pragma unroll
   for (int i = 0; i < Tr::kSCols / 8; ++i) {
-    const float2 l2 = i < kPre ? lse_pre[i] : pair_stat(lse_s, i, t);
+    const float2 l2 = i < kPre ? lse_pre[i] : read_lse(i);
     int2 qid = make_int2(0, 0);
     if (kMask && seg) qid = *reinterpret_cast<const int2*>(qid_s + 8 * i + 2 * t);
 #pragma unroll
@@ -202,9 +235,10 @@ __device__ __forceinline__ void bwd_dscores(float (&dp)[Tr::kSCols / 2],
                                             const uint32_t (&wh)[Tr::kSCols / 16][4],
                                             const float* delta_s, int t,
                                             const float2* delta_pre = nullptr) {
+  PairStatReader<Tr::kStatPairs, (kPre > kI0 ? kPre : kI0), kI1> read_delta{delta_s, t};
 #pragma unroll
   for (int i = kI0; i < kI1; ++i) {
-    const float2 dl = i < kPre ? delta_pre[i] : pair_stat(delta_s, i, t);
+    const float2 dl = i < kPre ? delta_pre[i] : read_delta(i);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float w0, w1;
