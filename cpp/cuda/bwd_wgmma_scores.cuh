@@ -30,8 +30,20 @@ template <bool kPairs>
 __host__ __device__ constexpr int bwd_stat_slot(int c) {
   return kPairs ? 16 * (c / 16) + 4 * (c % 8 / 2) + 2 * (c / 8 % 2) + c % 2 : c;
 }
-static_assert(bwd_stat_slot<true>(8 * 2 + 2 * 3) == 16 + 12 &&
-              bwd_stat_slot<true>(8 * 3 + 1) == 16 + 3);
+// bwd_stat_slot<true> of the consumers' column 8i + 2t (t < 4), in a form whose address
+// arithmetic folds (the compiler cannot know t < 4 in bwd_stat_slot's); checked against it below.
+__host__ __device__ constexpr int bwd_stat_pair_slot(int i, int t) {
+  return 16 * (i / 2) + 4 * t + 2 * (i % 2);
+}
+constexpr bool bwd_stat_slots_agree() {
+  for (int i = 0; i < 32; ++i) {
+    for (int t = 0; t < 4; ++t) {
+      if (bwd_stat_pair_slot(i, t) != bwd_stat_slot<true>(8 * i + 2 * t)) return false;
+    }
+  }
+  return true;
+}
+static_assert(bwd_stat_slots_agree());
 
 // A pair's lse or delta at a thread's query columns 8i + 2t and 8i + 2t + 1 of the stage's row `s`.
 template <bool kPairs>
@@ -50,7 +62,7 @@ struct PairStatReader {
     if constexpr (kPairs) {
       if (i % 2 == 1 && i - 1 >= kFirst) return odd;
       if (i % 2 == 0 && i + 1 < kEnd) {
-        const float4 q = *reinterpret_cast<const float4*>(s + 16 * (i / 2) + 4 * t);
+        const float4 q = *reinterpret_cast<const float4*>(s + bwd_stat_pair_slot(i, t));
         odd = make_float2(q.z, q.w);
         return make_float2(q.x, q.y);
       }
