@@ -96,10 +96,11 @@ struct BwdWgmmaArgs {
 // and one 8-byte store per column pair, which takes twice the shared-memory wavefronts. At 128,
 // bit 2 reaches the 64-query (masked) kernels that have the writer warps only: the 80-query ones
 // stage dQ^T in their own boxes. Measured on an H100 (docs/PERF_LOG.md): +1.5-2.5% of the backward
-// at 256; at 128 -2 to +0.5% alone, but +2-3.6% together with the writer warps (kDqWriter), so bit
-// 2 is on and follows kDqWriter there; at 64 -2 to +0.5%, off.
+// at 256; at 128 and 64 -2 to +0.5% alone, but a gain together with the writer warps (kDqWriter):
+// +2-3.6% at 128, and at 64 (with kDsStsm too) +2-3% unmasked and +1-6% causal. So bits 1 and 2
+// are on and follow kDqWriter there.
 #ifndef JAX_FLASH_BWD_DQ_STSM
-#define JAX_FLASH_BWD_DQ_STSM 6
+#define JAX_FLASH_BWD_DQ_STSM 7
 #endif
 
 // How the consumers write the 16-bit tiles they exchange through shared memory (dS^T, and P^T
@@ -107,10 +108,13 @@ struct BwdWgmmaArgs {
 // (BwdWgmmaTraits::kDsStsm): set, one stmatrix.x4 per k16 step of a warp's fragments
 // (store_operand_tile_stsm); clear, one 4-byte store per register (store_operand_tile). The bytes
 // stored are the same; stmatrix takes a quarter of the instructions. An experiment's -D switch:
-// the 80-query kernels (kDqT) store dS with stmatrix.trans either way. Measured alone on an H100
-// (7 against 0, docs/PERF_LOG.md): head_dim 64 and 128 within the rounds' spread, 256 -1%; off.
+// the 80-query kernels (kDqT) store dS with stmatrix.trans either way. Measured on an H100
+// (docs/PERF_LOG.md): alone (7 against 0) head_dim 64 and 128 within the rounds' spread, 256 -1%;
+// at head_dim 64 on top of the writer warps and stmatrix dQ staging -1 to +3.6% (unmasked +1.1 to
+// +2.6% in three rounds), and of the builds tried the only one ahead of the default on every
+// head_dim-64 cell of every round, so bit 1 is on.
 #ifndef JAX_FLASH_BWD_DS_STSM
-#define JAX_FLASH_BWD_DS_STSM 0
+#define JAX_FLASH_BWD_DS_STSM 1
 #endif
 
 // Which head_dims hand every call's staged dQ_i to the writer warps (bwd_dq_writer), which issue
@@ -120,11 +124,13 @@ struct BwdWgmmaArgs {
 // bit 8 gained 2-3.5% on the soft-capped unmasked cell in four rounds, -1.6 to +2.2% causal).
 // Clear, outside that order each consumer warp's lane 0 issues its own box's reductions and waits
 // for their reads before the next staging. Measured on an H100 (docs/PERF_LOG.md): at 128 with
-// stmatrix staging +2-3.6% of the masked kernels' backward, -0.6 to +2.1% unmasked; at 64 causal 1k
-// -1% in both rounds, so bits 2 and 16 are on (18: with STATS_EARLY 25, +1-5% on the head_dim-128
-// cells against 2 with 0, two rounds on an H100).
+// stmatrix staging +2-3.6% of the masked kernels' backward, -0.6 to +2.1% unmasked, so bits 2 and
+// 16 are on (18: with STATS_EARLY 25, +1-5% on the head_dim-128 cells against 2 with 0, two rounds
+// on an H100). At 64 the writer alone lost 1% at causal 1k; with stmatrix staging of dQ and dS^T
+// (DQ_STSM bit 1, DS_STSM bit 1) it gained on every head_dim-64 cell (unmasked 4k +2.1-3.2% and
+// causal 4k +2.4-6.3% in three to five rounds, causal 1k +1.1 / +1.4%), so bit 1 is on too (19).
 #ifndef JAX_FLASH_BWD_DQ_WRITER
-#define JAX_FLASH_BWD_DQ_WRITER 18
+#define JAX_FLASH_BWD_DQ_WRITER 19
 #endif
 
 // Where a pair's lse and delta reach the consumers' registers (docs/PERF_LOG.md). Measured on an
