@@ -98,7 +98,8 @@ struct BwdWgmmaArgs {
 // stage dQ^T in their own boxes. Measured on an H100 (docs/PERF_LOG.md): +1.5-2.5% of the backward
 // at 256; at 128 and 64 -2 to +0.5% alone, but a gain together with the writer warps (kDqWriter):
 // +2-3.6% at 128, and at 64 (with kDsStsm too) +2-3% unmasked and +1-6% causal. So bits 1 and 2
-// are on and follow kDqWriter there.
+// are on; at 128 the bit follows kDqWriter, at 64 it does not (the soft-capped masked kernel,
+// which has no writer warps, stages with stmatrix too; its speed was not measured either way).
 #ifndef JAX_FLASH_BWD_DQ_STSM
 #define JAX_FLASH_BWD_DQ_STSM 7
 #endif
