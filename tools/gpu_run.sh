@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build and install, run the test suite, run compute-sanitizer over the
 # kernels, and run the benchmarks. Stages are chosen by name (default: build test sanitize bench);
-# logs go to $OUT (or ./out). Example: bash tools/gpu_run.sh build test bench-quick
+# logs go to $OUT (or ./out). Example: bash tools/gpu_run.sh build test bench-quick; within one
+# device call: GPU_RUN_BUDGET=560 bash tools/gpu_run.sh build bench-grid-bf16 bench-det bench-masks
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-out}"
@@ -25,6 +26,11 @@ test_env=(
 # the host never dispatches them).
 gencode="${GPU_GENCODE:--gencode=arch=compute_90a,code=sm_90a}"
 status=0
+# GPU_RUN_BUDGET=<seconds>: the bench-grid-*, bench-det and bench-masks stages take their time
+# limits from what is left of it (a device call's limit), and a stage that would get under 40 s
+# is skipped.
+budget="${GPU_RUN_BUDGET:-0}"
+left() { echo $((budget - SECONDS)); }
 # pytest under a time limit: SIGINT at the limit, so that pytest still prints its summary of the
 # failures so far (a KILL loses it), and at most TEST_MAXFAIL failures, so that a failure that
 # breaks a worker's GPU context shows its first tracebacks instead of hundreds of cascaded ones.
@@ -92,11 +98,21 @@ for stage in "${expanded[@]}"; do
   case "$stage" in
     build)
       nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv
+      # A warm device machine keeps the installed wheel between calls: with JAX_FLASH_COMMIT set
+      # and the stamp of the last build equal to it (and to the gencode), the build is skipped.
+      stamp=/tmp/jax_flash_wheel_stamp
+      want="${JAX_FLASH_COMMIT:-} $gencode"
+      if [ -n "${JAX_FLASH_COMMIT:-}" ] && [ "$(cat $stamp 2>/dev/null)" = "$want" ]; then
+        echo "=== build: the wheel of $want is installed, skipped"
+        continue
+      fi
+      rm -f $stamp
       # The sanitizer driver is built in the same tree, so the kernels compile once.
       CMAKE_BUILD_PARALLEL_LEVEL=16 run_stage build python3 -m pip install -v \
         --no-build-isolation --no-deps -C build-dir=build/gpu -C "cmake.define.JAX_FLASH_CUDA=ON" \
         -C cmake.define.JAX_FLASH_TOOLS=ON -C "cmake.define.JAX_FLASH_CUDA_GENCODE=$gencode" . \
         || exit 1
+      echo "$want" > $stamp
       ;;
     test | test-all)
       # The suite is dominated by compiling small programs, so it runs in 8 processes sharing the
@@ -167,8 +183,37 @@ for stage in "${expanded[@]}"; do
       # Windows, packed documents, softcap and sinks beside cuDNN and FlashAttention-3. FA3_DIR is
       # the FA3 carry folder (shared/ANCHORS.md), carried to the device as an ignored path; set
       # JAX_FLASH_COMMIT, since the device's copy of the tree has no .git.
+      limit="${MASKS_TIME_LIMIT:-230}"
+      [ "$budget" -gt 0 ] && limit=$(($(left) - 20))
+      if [ "$limit" -lt 40 ]; then
+        echo "=== $stage: skipped, $limit s left" && continue
+      fi
       run_stage bench-masks python3 benchmarks/bench_masks.py --fa3-dir "${FA3_DIR:-fa3_carry}" \
-        --time-limit "${MASKS_TIME_LIMIT:-230}" --out "$out/bench"
+        --time-limit "$limit" --out "$out/bench"
+      ;;
+    bench-grid-bf16 | bench-grid-fp16)
+      # The standard grid (shared/ANCHORS.md) of one dtype beside cuDNN and FlashAttention-3, in
+      # what is left of GPU_RUN_BUDGET (default 300 s a stage without one).
+      dtype=${stage#bench-grid-}
+      limit=300
+      [ "$budget" -gt 0 ] && limit=$(($(left) - 20))
+      if [ "$limit" -lt 40 ]; then
+        echo "=== $stage: skipped, $limit s left" && continue
+      fi
+      run_stage "$stage" python3 benchmarks/bench_attention.py --fa3-dir "${FA3_DIR:-fa3_carry}" \
+        --dtypes "$dtype" --impls jax_flash cudnn fa3 --seqlens 1k 4k 16k --no-memory \
+        --time-limit "$limit" --out "$out/bench" --name "grid_$dtype"
+      ;;
+    bench-det)
+      # The deterministic backward's cost through JAX (its own repeats; no time limit of its own,
+      # so the stage runs under timeout).
+      limit=400
+      [ "$budget" -gt 0 ] && limit=$(($(left) - 10))
+      if [ "$limit" -lt 40 ]; then
+        echo "=== $stage: skipped, $limit s left" && continue
+      fi
+      run_stage bench-det timeout "$limit" python3 benchmarks/bench_deterministic.py --repeats 3 \
+        --out "$out/bench" --name deterministic
       ;;
     bench)
       # BENCH_ARGS narrows the grid (e.g. "--dtypes bf16 --time-limit 300") to fit one call.
