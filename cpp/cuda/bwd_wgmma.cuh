@@ -319,9 +319,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           // (80-row tiles: the last round's upper lanes hold no row.)
           if (kBlockM % 32 != 0 && r >= kBlockM) break;
           const bool seen = lse_ahead[i] != -CUDART_INF_F;
-          const int slot = bwd_stat_slot<Tr::kStatPairs>(r);
-          lse_s[slot] = seen ? lse_ahead[i] * kLog2e : CUDART_INF_F;
-          lse_s[kBlockM + slot] = seen ? dlt_ahead[i] : 0.f;
+          lse_s[r] = seen ? lse_ahead[i] * kLog2e : CUDART_INF_F;
+          lse_s[kBlockM + r] = seen ? dlt_ahead[i] : 0.f;
           if (kMasked && (flags & kPairSegments)) {
             stage_qid(stage)[r] =
                 r < rows ? args.segments.q_ids[ct.span.batch * args.seg_stride_q + m0 + r] : 0;
@@ -456,11 +455,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
       // kLseAhead: the pair's lse at this thread's query columns loaded now, under the wait.
       float2 lse_pre[Tr::kLseAhead > 0 ? Tr::kLseAhead : 1];
-      if constexpr (Tr::kLseAhead > 0)
-        load_pair_stats<Tr::kStatPairs>(lse_pre, stage_lse(stage) + q0, t);
+      if constexpr (Tr::kLseAhead > 0) load_pair_stats(lse_pre, stage_lse(stage) + q0, t);
       float2 delta_pre[Tr::kDeltaAhead > 0 ? Tr::kDeltaAhead : 1];
-      if constexpr (Tr::kDeltaWithLse)
-        load_pair_stats<Tr::kStatPairs>(delta_pre, stage_delta(stage), t);
+      if constexpr (Tr::kDeltaWithLse) load_pair_stats(delta_pre, stage_delta(stage), t);
       // Groups retire in order: with dP^T pending, S^T is done.
       wgmma_wait<1>();
       fence_operand(s);
@@ -602,7 +599,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // kLateP issues dV after the dS^T stores (below), its P^T not yet converted here.
         // kDeltaAhead: the pair's delta loaded first, to arrive under the issue and the wait.
         if constexpr (Tr::kDeltaAhead > 0 && !Tr::kDeltaWithLse) {
-          load_pair_stats<Tr::kStatPairs>(delta_pre, stage_delta(stage), t);
+          load_pair_stats(delta_pre, stage_delta(stage), t);
         }
         if constexpr (!Tr::kLateP) {
           wgmma_fence();

@@ -23,60 +23,17 @@ __device__ __forceinline__ int fresh_thread_index() {
   return tid;
 }
 
-// Where query column c of a pair's lse / delta sits in the stage (BwdWgmmaTraits::kStatPairs):
-// c itself, or the 16 queries 16j .. 16j + 15 ordered so that the columns thread t reads for
-// i = 2j and 2j + 1 (8i + 2t and 8i + 2t + 1) are slots 16j + 4t .. 16j + 4t + 3.
-template <bool kPairs>
-__host__ __device__ constexpr int bwd_stat_slot(int c) {
-  return kPairs ? 16 * (c / 16) + 4 * (c % 8 / 2) + 2 * (c / 8 % 2) + c % 2 : c;
-}
-// bwd_stat_slot<true> of the consumers' column 8i + 2t (t < 4), in a form whose address
-// arithmetic folds (the compiler cannot know t < 4 in bwd_stat_slot's); checked against it below.
-__host__ __device__ constexpr int bwd_stat_pair_slot(int i, int t) {
-  return 16 * (i / 2) + 4 * t + 2 * (i % 2);
-}
-constexpr bool bwd_stat_slots_agree() {
-  for (int i = 0; i < 32; ++i) {
-    for (int t = 0; t < 4; ++t) {
-      if (bwd_stat_pair_slot(i, t) != bwd_stat_slot<true>(8 * i + 2 * t)) return false;
-    }
-  }
-  return true;
-}
-static_assert(bwd_stat_slots_agree());
-
-// A pair's lse or delta at a thread's query columns 8i + 2t and 8i + 2t + 1 of the stage's row `s`.
-template <bool kPairs>
+// A pair's lse or delta at a thread's query columns 8i + 2t and 8i + 2t + 1 of the stage's row `s`
+// (one 8-byte load).
 __device__ __forceinline__ float2 pair_stat(const float* s, int i, int t) {
-  return *reinterpret_cast<const float2*>(s + bwd_stat_slot<kPairs>(8 * i + 2 * t));
+  return *reinterpret_cast<const float2*>(s + 8 * i + 2 * t);
 }
-// The same in a loop over i that reads the stage from i = kFirst on and ends before kEnd, the i
-// in increasing order (unrolled: the branches fold): in bwd_stat_slot's order one 16-byte load
-// serves i = 2j and 2j + 1.
-template <bool kPairs, int kFirst, int kEnd>
-struct PairStatReader {
-  const float* s;
-  int t;
-  float2 odd = make_float2(0.f, 0.f);
-  __device__ __forceinline__ float2 operator()(int i) {
-    if constexpr (kPairs) {
-      if (i % 2 == 1 && i - 1 >= kFirst) return odd;
-      if (i % 2 == 0 && i + 1 < kEnd) {
-        const float4 q = *reinterpret_cast<const float4*>(s + bwd_stat_pair_slot(i, t));
-        odd = make_float2(q.z, q.w);
-        return make_float2(q.x, q.y);
-      }
-    }
-    return pair_stat<kPairs>(s, i, t);
-  }
-};
 // The same for i < kN, loaded into registers ahead of their use (kLseAhead / kDeltaAhead), before
 // a GEMM wait.
-template <bool kPairs, int kN>
+template <int kN>
 __device__ __forceinline__ void load_pair_stats(float2 (&v)[kN], const float* s, int t) {
-  PairStatReader<kPairs, 0, kN> read{s, t};
 #pragma unroll
-  for (int i = 0; i < kN; ++i) v[i] = read(i);
+  for (int i = 0; i < kN; ++i) v[i] = pair_stat(s, i, t);
 }
 
 // Zeroes rows [row0, kRows) of kTensors swizzled tiles (kPanels panels of kRows 128-byte rows,
@@ -188,10 +145,9 @@ __device__ __forceinline__ void bwd_probs(float (&s)[Tr::kSCols / 2],
       last[r] = kc < tm.n_limit ? kc - tm.lo_diag - base : -1;
     }
   }
-  PairStatReader<Tr::kStatPairs, kPre, Tr::kSCols / 8> read_lse{lse_s, t};
 #pragma unroll
   for (int i = 0; i < Tr::kSCols / 8; ++i) {
-    const float2 l2 = i < kPre ? lse_pre[i] : read_lse(i);
+    const float2 l2 = i < kPre ? lse_pre[i] : pair_stat(lse_s, i, t);
     int2 qid = make_int2(0, 0);
     if (kMask && seg) qid = *reinterpret_cast<const int2*>(qid_s + 8 * i + 2 * t);
 #pragma unroll
@@ -247,10 +203,9 @@ __device__ __forceinline__ void bwd_dscores(float (&dp)[Tr::kSCols / 2],
                                             const uint32_t (&wh)[Tr::kSCols / 16][4],
                                             const float* delta_s, int t,
                                             const float2* delta_pre = nullptr) {
-  PairStatReader<Tr::kStatPairs, (kPre > kI0 ? kPre : kI0), kI1> read_delta{delta_s, t};
 #pragma unroll
   for (int i = kI0; i < kI1; ++i) {
-    const float2 dl = i < kPre ? delta_pre[i] : read_delta(i);
+    const float2 dl = i < kPre ? delta_pre[i] : pair_stat(delta_s, i, t);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float w0, w1;

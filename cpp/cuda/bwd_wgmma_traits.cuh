@@ -149,18 +149,6 @@ struct BwdWgmmaArgs {
 #define JAX_FLASH_BWD_STATS_EARLY 25
 #endif
 
-// How a pair's lse and delta sit in the stage, bit 1 for head_dim 64, 2 for 128, 4 for 256
-// (BwdWgmmaTraits::kStatPairs). A consumer thread reads the values of query columns 8i + 2t and
-// 8i + 2t + 1 of every i. Clear, in query order: one 8-byte load per i. Set, each 16 queries
-// stored so that a thread's columns of i = 2j and 2j + 1 are 16 contiguous bytes (bwd_stat_slot):
-// one 16-byte load per two i, half the loads (head_dim 64's 128-query pairs: 32 a thread a pair).
-// An experiment's -D switch, for head_dim 64: with bit 2 ptxas serialises the wgmma of head_dim
-// 128's 80-query kernels (warpgroup waits around each), with bit 4 head_dim 256's main loop grows
-// from 1010 to 1086 instructions.
-#ifndef JAX_FLASH_BWD_STAT_PAIRS
-#define JAX_FLASH_BWD_STAT_PAIRS 0
-#endif
-
 // How the deterministic order's hand-off record (BwdDqHandoff) is ordered between a consumer
 // warpgroup and its writer warp: 0 (default), by the staged / free named barriers alone, which
 // order the staging buffer too; 1, by a pair of mbarriers per record besides them (written:
@@ -340,11 +328,6 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
       (JAX_FLASH_BWD_DQ_STSM & kHeadDimBit) != 0 && !kDqT && (kD != 128 || kDqWriter);
   // The exchanged dS^T / P^T tiles stored with stmatrix (JAX_FLASH_BWD_DS_STSM).
   static constexpr bool kDsStsm = (JAX_FLASH_BWD_DS_STSM & kHeadDimBit) != 0;
-  // lse / delta in bwd_stat_slot's order (JAX_FLASH_BWD_STAT_PAIRS). The order permutes each 16
-  // queries among themselves, so the pair's rows and a warpgroup's first query (0, or kSCols with
-  // split queries) must be multiples of 16.
-  static constexpr bool kStatPairs = (JAX_FLASH_BWD_STAT_PAIRS & kHeadDimBit) != 0;
-  static_assert(!kStatPairs || (kBlockM % 16 == 0 && kSCols % 16 == 0));
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
@@ -384,8 +367,6 @@ struct BwdWgmmaTraits : Sw128Panels<kHeadDim> {
   static constexpr int kDqOffset = kPOffset + 2 * kPBytes;
   static constexpr int kStatOffset = kDqOffset + kConsumerWarpgroups * kDqWgBytes;
   static constexpr int kBarOffset = kStatOffset + kStages * kRowStatBytes;
-  // kStatPairs reads lse / delta with 16-byte loads.
-  static_assert(!kStatPairs || (kStatOffset % 16 == 0 && kRowStatBytes % 16 == 0));
   // mbarriers: K/V full, then full and empty per stage.
   static constexpr int kNumBarriers = 1 + 2 * kStages;
   // The CTA's tile (BwdCtaTile), written once by thread 0.
