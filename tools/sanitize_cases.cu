@@ -3,12 +3,13 @@
 // causal masking, windows, softcap, sinks, segment ids, packed batches, GQA, each tensor-core
 // head dim and the deterministic backward's dQ order. JAX_FLASH_CUDA_FAMILY=mma runs the mma.sync
 // family where wgmma would apply. Usage: compute-sanitizer --tool memcheck
-// ./sanitize_cases [--deterministic-only | --no-deterministic] [--count | --case I]. Exits
-// non-zero on any CUDA error or non-finite output. --deterministic-only runs the deterministic
-// backward's cases alone, --no-deterministic every other case; racecheck may report only the
-// backward's dQ hand-off record in either (tools/racecheck_known.py), and since its display stops
-// at 100 hazards, which the deterministic cases' record fills together, those are checked one
-// case a process (--count, --case; tools/gpu_run.sh).
+// ./sanitize_cases [--deterministic-only | --no-deterministic] [--shard K N] [--count | --case I].
+// Exits non-zero on any CUDA error or non-finite output. --deterministic-only runs the
+// deterministic backward's cases alone, --no-deterministic every other case; racecheck may report
+// only the backward's dQ hand-off record in either (tools/racecheck_known.py), and since its
+// display stops at 100 hazards, which the deterministic cases' record fills together, those are
+// checked one case a process (--count, --case) and the others in shards (--shard; both in
+// tools/gpu_run.sh).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -367,6 +368,7 @@ bool run_case(const Case& c, std::mt19937_64& rng) {
 int main(int argc, char** argv) {
   bool deterministic_only = false, no_deterministic = false, count_only = false;
   long only_case = -1;
+  long shard = 0, shards = 1;
   bool usage_error = false;
   for (int a = 1; a < argc; ++a) {
     if (std::strcmp(argv[a], "--deterministic-only") == 0) {
@@ -379,13 +381,21 @@ int main(int argc, char** argv) {
       char* end = nullptr;
       only_case = std::strtol(argv[++a], &end, 10);
       usage_error = usage_error || *end != '\0' || only_case < 0;
+    } else if (std::strcmp(argv[a], "--shard") == 0 && a + 2 < argc) {
+      char* end_k = nullptr;
+      char* end_n = nullptr;
+      shard = std::strtol(argv[++a], &end_k, 10);
+      shards = std::strtol(argv[++a], &end_n, 10);
+      usage_error = usage_error || *end_k != '\0' || *end_n != '\0' || shards < 1 || shard < 0 ||
+                    shard >= shards;
     } else {
       usage_error = true;
     }
   }
   if (usage_error || (deterministic_only && no_deterministic)) {
     std::fprintf(stderr,
-                 "usage: %s [--deterministic-only | --no-deterministic] [--count | --case I]\n",
+                 "usage: %s [--deterministic-only | --no-deterministic] [--shard K N] "
+                 "[--count | --case I]\n",
                  argv[0]);
     return 2;
   }
@@ -462,9 +472,17 @@ int main(int argc, char** argv) {
                                }),
                 cases.end());
   }
-  // --count prints the selection's size; --case I runs its case I alone. racecheck displays at
-  // most 100 hazards a process, which the deterministic cases' hand-off record fills together, so
-  // tools/gpu_run.sh checks those one process a case.
+  // --shard K N keeps the selection's cases i with i % N == K. --count prints the selection's
+  // size; --case I runs its case I alone. racecheck displays at most 100 hazards a process, which
+  // the deterministic cases' hand-off record fills together, so tools/gpu_run.sh checks those one
+  // process a case, and the others in shards.
+  if (shards > 1) {
+    std::vector<Case> kept;
+    for (size_t i = 0; i < cases.size(); ++i) {
+      if (static_cast<long>(i % static_cast<size_t>(shards)) == shard) kept.push_back(cases[i]);
+    }
+    cases = kept;
+  }
   if (count_only) {
     std::printf("%zu\n", cases.size());
     return 0;
