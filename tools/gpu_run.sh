@@ -30,7 +30,13 @@ status=0
 # limits from what is left of it (a device call's limit), and a stage that would get under 40 s
 # is skipped.
 budget="${GPU_RUN_BUDGET:-0}"
-left() { echo $((budget - SECONDS)); }
+# Sets `limit` for a benchmark stage: $1 without a budget, else what is left of it less $2 s;
+# fails (the stage is skipped) below 40 s.
+stage_limit() {
+  limit=$1
+  [ "$budget" -gt 0 ] && limit=$((budget - SECONDS - $2))
+  [ "$limit" -ge 40 ] || { echo "=== $stage: skipped, $limit s left" && return 1; }
+}
 # pytest under a time limit: SIGINT at the limit, so that pytest still prints its summary of the
 # failures so far (a KILL loses it), and at most TEST_MAXFAIL failures, so that a failure that
 # breaks a worker's GPU context shows its first tracebacks instead of hundreds of cascaded ones.
@@ -187,11 +193,7 @@ for stage in "${expanded[@]}"; do
       # Windows, packed documents, softcap and sinks beside cuDNN and FlashAttention-3. FA3_DIR is
       # the FA3 carry folder (shared/ANCHORS.md), carried to the device as an ignored path; set
       # JAX_FLASH_COMMIT, since the device's copy of the tree has no .git.
-      limit="${MASKS_TIME_LIMIT:-230}"
-      [ "$budget" -gt 0 ] && limit=$(($(left) - 20))
-      if [ "$limit" -lt 40 ]; then
-        echo "=== $stage: skipped, $limit s left" && continue
-      fi
+      stage_limit "${MASKS_TIME_LIMIT:-230}" 20 || continue
       run_stage bench-masks python3 benchmarks/bench_masks.py --fa3-dir "${FA3_DIR:-fa3_carry}" \
         --time-limit "$limit" --out "$out/bench"
       ;;
@@ -199,11 +201,7 @@ for stage in "${expanded[@]}"; do
       # The standard grid (shared/ANCHORS.md) of one dtype beside cuDNN and FlashAttention-3, in
       # what is left of GPU_RUN_BUDGET (default 300 s a stage without one).
       dtype=${stage#bench-grid-}
-      limit=300
-      [ "$budget" -gt 0 ] && limit=$(($(left) - 20))
-      if [ "$limit" -lt 40 ]; then
-        echo "=== $stage: skipped, $limit s left" && continue
-      fi
+      stage_limit 300 20 || continue
       run_stage "$stage" python3 benchmarks/bench_attention.py --fa3-dir "${FA3_DIR:-fa3_carry}" \
         --dtypes "$dtype" --impls jax_flash cudnn fa3 --seqlens 1k 4k 16k --no-memory \
         --time-limit "$limit" --out "$out/bench" --name "grid_$dtype"
@@ -211,11 +209,7 @@ for stage in "${expanded[@]}"; do
     bench-det)
       # The deterministic backward's cost through JAX (its own repeats; no time limit of its own,
       # so the stage runs under timeout).
-      limit=400
-      [ "$budget" -gt 0 ] && limit=$(($(left) - 10))
-      if [ "$limit" -lt 40 ]; then
-        echo "=== $stage: skipped, $limit s left" && continue
-      fi
+      stage_limit 400 10 || continue
       run_stage bench-det timeout "$limit" python3 benchmarks/bench_deterministic.py --repeats 3 \
         --out "$out/bench" --name deterministic
       ;;

@@ -23,8 +23,7 @@ __device__ __forceinline__ int fresh_thread_index() {
   return tid;
 }
 
-// A pair's lse or delta at a thread's query columns 8i + 2t and 8i + 2t + 1 of the stage's row `s`
-// (one 8-byte load).
+// A pair's lse or delta at a thread's query columns 8i + 2t and 8i + 2t + 1 of the stage's row `s`.
 __device__ __forceinline__ float2 pair_stat(const float* s, int i, int t) {
   return *reinterpret_cast<const float2*>(s + 8 * i + 2 * t);
 }
@@ -117,7 +116,7 @@ __device__ __forceinline__ void bwd_mask_packed(uint32_t (&p)[Tr::kSCols / 16][4
 // later convert_p of s, which then holds P). With kMask, elements the TileMask
 // (or, with `seg`, the segment ids) hides are selected to 0, never multiplied, so a NaN there
 // cannot leak.
-// kPre: the first kPre lse pairs were loaded ahead (lse_pre[i]: pair_stat of i;
+// kPre: the first kPre lse pairs were loaded ahead (lse_pre[i] = lse_s[8i + 2t], [8i + 2t + 1];
 // BwdWgmmaTraits::kLseAhead, load_pair_stats).
 template <class Tr, bool kMask, int kPre = 0>
 __device__ __forceinline__ void bwd_probs(float (&s)[Tr::kSCols / 2],
