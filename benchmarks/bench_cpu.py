@@ -187,8 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{args.gemm_size}×{args.gemm_size}×{args.gemm_size} float32 (jnp.matmul), "
             "same process",
             f"- timing: {args.repeats} interleaved repeats of back-to-back calls (about "
-            f"{TARGET_SECONDS} s each) per implementation; medians; spread = largest "
-            "(max - min) / median of the three",
+            f"{TARGET_SECONDS} s each) per implementation; medians; spread = the largest of the "
+            "three implementations' (max - min) / median over the repeats",
             "- FLOPs: forward 4·B·H·S·S·D, halved when causal; forward+backward 3.5 × forward; "
             "all rates in GFLOP/s",
             "",
